@@ -1,0 +1,59 @@
+"""The ``hetero`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hetero.errors import ConfigError
+
+
+def _split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
+    """``[CONFIG] [key=value ...]``: the config defaults to the base config's experiment."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return "", items
+
+
+def _layout(args: argparse.Namespace) -> None:
+    from hetero.config import load_experiment, validate
+    from hetero.parallel.rank_map import format_rank_map, rank_map
+
+    name, overrides = _split_config_and_overrides(args.config)
+    experiment = load_experiment(name, overrides)
+    description = rank_map(experiment, validate(experiment))
+    print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hetero", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    layout = commands.add_parser(
+        "layout",
+        help="print an experiment's rank map without starting any process",
+        description="Dry run: validate an experiment and print which module runs on which rank.",
+    )
+    layout.add_argument(
+        "config",
+        nargs="*",
+        metavar="CONFIG [OVERRIDE ...]",
+        help="experiment name (configs/experiment/) or YAML path, then Hydra overrides like llm.layout.tp=2",
+    )
+    layout.add_argument("--json", action="store_true", help="print the map as JSON")
+    layout.set_defaults(run=_layout)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except ConfigError as err:
+        print(f"hetero: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

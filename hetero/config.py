@@ -1,0 +1,209 @@
+"""Experiment configuration: typed schema, loading through Hydra, validation with actionable errors.
+
+An experiment YAML names its modules at the top level, so Hydra overrides read naturally
+(``llm.layout.tp=2``)::
+
+    world_size: 4
+    batch: {global_batch_size: 16, micro_batch_size: 2}
+    vision: {kind: vit, model: {...}, layout: {tp: 1, dp: 4}}
+    llm:    {kind: gpt, model: {...}, layout: {tp: 2, dp: 2}}
+    edges:  [{src: vision, dst: llm}]
+
+Every top-level key that is not a field of ``ExperimentConfig`` is a module and must carry a ``kind``
+from ``hetero.models.MODEL_CONFIGS``. All checks run before any process group exists.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hetero.errors import ConfigError
+from hetero.models import MODEL_CONFIGS
+from hetero.parallel.layout import LayoutSpec
+from hetero.parallel.placement import Placement, place
+
+CONFIG_DIR = Path(os.environ.get("HETERO_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
+
+
+@dataclass
+class BatchConfig:
+    global_batch_size: int = 8
+    micro_batch_size: int = 1  # samples per DP rank per microbatch; a module may override it
+
+
+@dataclass
+class EdgeConfig:
+    src: str = ""
+    dst: str = ""
+
+
+@dataclass
+class ModuleConfig:
+    kind: str = ""
+    model: dict[str, Any] = field(default_factory=dict)
+    layout: LayoutSpec = field(default_factory=LayoutSpec)
+    micro_batch_size: int | None = None
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    world_size: int | None = None
+    placement: str = "auto"  # auto | colocated | non_colocated
+    backend: str = "auto"  # auto (nccl on GPUs, else gloo) | gloo | nccl
+    timeout_s: float = 300.0  # every collective and process-group setup fails after this
+    seed: int = 0
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    edges: list[EdgeConfig] = field(default_factory=list)
+    modules: dict[str, ModuleConfig] = field(default_factory=dict)
+
+    def model_config(self, module: str) -> Any:
+        """The module's typed model config (e.g. ``GPTConfig``)."""
+        spec = self.modules[module]
+        try:
+            return OmegaConf.to_object(
+                OmegaConf.merge(OmegaConf.structured(MODEL_CONFIGS[spec.kind]), spec.model)
+            )
+        except OmegaConfBaseException as err:
+            raise _field_error(f"{module}.model", err) from None
+
+    def micro_batch_size(self, module: str) -> int:
+        return self.modules[module].micro_batch_size or self.batch.micro_batch_size
+
+
+# Experiment YAMLs type-check each module at compose time with ``defaults: [/hetero/module@NAME]``.
+ConfigStore.instance().store(group="hetero", name="module", node=ModuleConfig)
+
+_TOP_LEVEL = tuple(f.name for f in fields(ExperimentConfig) if f.name != "modules")
+
+
+def _one_line(err: Exception) -> str:
+    text = str(err) if err.__cause__ is None else f"{err}\n{err.__cause__}"
+    lines = [line.strip() for line in text.splitlines()]
+    return "; ".join(line for line in lines if line and not line.startswith("object_type"))
+
+
+def _field_error(prefix: str, err: OmegaConfBaseException) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
+    message = str(err).splitlines()[0]
+    where = f"{prefix}.{key}" if key else prefix
+    return ConfigError(f"{where}: {message}")
+
+
+def experiment_from_dict(raw: DictConfig | dict) -> ExperimentConfig:
+    """Type-check a composed config against the schema; modules are the non-reserved top-level keys."""
+    container = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else raw
+    assert isinstance(container, dict)
+    container = {k: v for k, v in container.items() if k not in ("experiment", "hydra")}
+    top = {k: v for k, v in container.items() if k in _TOP_LEVEL}
+    modules: dict[str, ModuleConfig] = {}
+    for name, node in container.items():
+        if name in _TOP_LEVEL:
+            continue
+        if not isinstance(node, dict) or "kind" not in node:
+            raise ConfigError(
+                f"top-level key {name!r} is neither an experiment field ({', '.join(_TOP_LEVEL)}) nor "
+                f"a module (a mapping with a kind: {', '.join(MODEL_CONFIGS)}); fix the name or add a kind"
+            )
+        try:
+            module = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModuleConfig), node))
+        except OmegaConfBaseException as err:
+            raise _field_error(name, err) from None
+        assert isinstance(module, ModuleConfig)
+        modules[name] = module
+    try:
+        experiment = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ExperimentConfig), top))
+    except OmegaConfBaseException as err:
+        raise _field_error("experiment", err) from None
+    assert isinstance(experiment, ExperimentConfig)
+    experiment.modules = modules
+    return experiment
+
+
+def load_experiment(name_or_path: str = "", overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Compose an experiment with Hydra: a name from ``configs/experiment/``, a path to a YAML file, or
+    "" for the default experiment of ``configs/config.yaml``."""
+    path = Path(name_or_path)
+    if not name_or_path:
+        config_dir, config_name, base = CONFIG_DIR, "config", []
+    elif path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        config_dir, config_name, base = path.resolve().parent, path.stem, []
+    else:
+        available = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+        if name_or_path not in available:
+            raise ConfigError(
+                f"experiment {name_or_path!r} is not in {CONFIG_DIR / 'experiment'}; "
+                f"choose one of {', '.join(available)} or pass a path to a .yaml file"
+            )
+        config_dir, config_name, base = CONFIG_DIR, "config", [f"experiment={name_or_path}"]
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            raw = compose(config_name=config_name, overrides=[*base, *overrides])
+    except Exception as err:  # OmegaConf type errors; Hydra's override grammar and missing keys
+        if isinstance(err, OmegaConfBaseException) or type(err).__module__.startswith("hydra"):
+            raise ConfigError(f"{name_or_path}: {_one_line(err)}") from None
+        raise
+    return experiment_from_dict(raw)
+
+
+def validate(experiment: ExperimentConfig) -> Placement:
+    """Check everything that can be checked before processes start; return the placement."""
+    for name, module in experiment.modules.items():
+        if module.kind not in MODEL_CONFIGS:
+            raise ConfigError(
+                f"{name}.kind={module.kind!r} is not a known module kind; use one of "
+                f"{', '.join(MODEL_CONFIGS)}"
+            )
+    for i, edge in enumerate(experiment.edges):
+        for end in ("src", "dst"):
+            if getattr(edge, end) not in experiment.modules:
+                raise ConfigError(
+                    f"edges[{i}].{end}={getattr(edge, end)!r} names no module; modules are "
+                    f"{', '.join(experiment.modules) or 'none'}"
+                )
+        if edge.src == edge.dst:
+            raise ConfigError(f"edges[{i}] connects {edge.src} to itself; an edge joins two modules")
+    if experiment.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"backend={experiment.backend!r} is not one of auto, gloo, nccl")
+    if experiment.timeout_s <= 0:
+        raise ConfigError(f"timeout_s={experiment.timeout_s} must be > 0")
+
+    placement = place(
+        {name: module.layout for name, module in experiment.modules.items()},
+        experiment.world_size,
+        experiment.placement,
+    )
+
+    errors: list[str] = []
+    for name in experiment.modules:
+        errors += experiment.model_config(name).errors(name, placement.layouts[name])
+    batch = experiment.batch
+    if batch.global_batch_size < 1 or batch.micro_batch_size < 1:
+        errors.append(
+            f"batch.global_batch_size={batch.global_batch_size} and batch.micro_batch_size="
+            f"{batch.micro_batch_size} must be >= 1"
+        )
+    else:
+        for name, layout in placement.layouts.items():
+            mbs = experiment.micro_batch_size(name)
+            if mbs < 1:
+                errors.append(f"{name}.micro_batch_size={mbs} must be >= 1")
+            elif batch.global_batch_size % (layout.dp * mbs):
+                errors.append(
+                    f"batch.global_batch_size={batch.global_batch_size} is not divisible by {name}'s "
+                    f"dp*micro_batch_size = {layout.dp}*{mbs} = {layout.dp * mbs}; use a global batch "
+                    f"that is a multiple of {layout.dp * mbs}"
+                )
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return placement

@@ -1,0 +1,57 @@
+"""Checks that a transformer's shapes split evenly under a module's layout."""
+
+from __future__ import annotations
+
+from hetero.parallel.layout import Layout
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def transformer_layout_errors(
+    module: str,
+    layout: Layout,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_layers: int,
+    seq_len: int,
+    vocab_size: int | None = None,
+) -> list[str]:
+    """Every way ``layout`` fails to split this transformer; empty when it fits."""
+    errors = []
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    sizes = [("num_heads", num_heads)]
+    if num_kv_heads != num_heads:
+        sizes.append(("num_kv_heads", num_kv_heads))
+    sizes += [("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)]
+    if vocab_size is not None:
+        sizes.append(("vocab_size", vocab_size))
+    for name, value in sizes:
+        if value % tp:
+            errors.append(
+                f"{module}.layout.tp={tp} does not divide {module}.model.{name}={value}; "
+                f"choose tp from {_divisors(value)}"
+            )
+    if cp > 1 and seq_len % (2 * cp):
+        errors.append(
+            f"{module}.layout.cp={cp}: sequence length {seq_len} is not divisible by 2*cp={2 * cp} "
+            f"(load-balanced CP cuts the sequence into 2*cp chunks); use a sequence length that is "
+            f"a multiple of {2 * cp} or a smaller cp"
+        )
+    if pp > num_layers:
+        errors.append(
+            f"{module}.layout.pp={pp} is larger than {module}.model.num_layers={num_layers}; every "
+            f"pipeline stage needs at least one layer: use pp <= {num_layers}"
+        )
+    return errors
+
+
+def shape_errors(module: str, **positive: int) -> list[str]:
+    """Model sizes that must be at least 1."""
+    return [
+        f"{module}.model.{name}={value} must be >= 1" for name, value in positive.items() if value < 1
+    ]

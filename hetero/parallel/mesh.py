@@ -1,0 +1,111 @@
+"""Process groups and DeviceMeshes for every module, built explicitly and passed around.
+
+No global parallel state: each module gets a ``ModuleMesh`` holding its own groups, so modules with
+different layouts coexist in one process. Every group of every module is created on every rank, in
+one deterministic order (torch requires it: a group created on only some ranks hangs the others), and
+identical rank sets share one group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hetero.errors import ConfigError
+from hetero.parallel.layout import GROUP_AXES, MESH_AXES, Coord, Layout
+from hetero.parallel.placement import Placement
+
+
+@dataclass
+class ModuleMesh:
+    """One module's view of the parallel world from the current rank."""
+
+    name: str
+    layout: Layout
+    coord: Coord
+    mesh: DeviceMesh  # dims named ("pp", "dp", "cp", "tp"), tp innermost
+    groups: dict[str, dist.ProcessGroup]  # "tp", "cp", "dp", "pp", "dp_cp"
+    group_ranks: dict[str, tuple[int, ...]]  # global ranks of each group, in group-rank order
+
+    def group(self, kind: str) -> dist.ProcessGroup:
+        return self.groups[kind]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord.pp == self.layout.pp - 1
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def init_distributed(placement: Placement, backend: str = "auto", timeout_s: float = 300.0) -> int:
+    """Join the launcher's world (torchrun / SLURM environment) after checking its size; return rank."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != placement.world_size:
+        raise ConfigError(
+            f"the experiment needs world_size={placement.world_size} ranks but the launcher started "
+            f"{launched} (WORLD_SIZE={launched}); launch with --nproc_per_node={placement.world_size} "
+            f"(times nodes) or change the layouts"
+        )
+    backend = resolve_backend(backend)
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank()
+
+
+def build_module_meshes(
+    placement: Placement, timeout_s: float = 300.0
+) -> dict[str, ModuleMesh]:
+    """Create every module's groups on every rank; return the meshes of modules on this rank."""
+    rank = dist.get_rank()
+    if dist.get_world_size() != placement.world_size:
+        raise ConfigError(
+            f"the process group has {dist.get_world_size()} ranks but the placement needs "
+            f"{placement.world_size}"
+        )
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    timeout = timedelta(seconds=timeout_s)
+    pool: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+    def group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        # Same iteration order on every rank, so creation order matches. Ranks stay in mesh order
+        # (not sorted) so that a rank's position in the group is its coordinate along the axes.
+        if ranks not in pool:
+            pool[ranks] = dist.new_group(list(ranks), timeout=timeout, sort_ranks=False)
+        return pool[ranks]
+
+    meshes = {}
+    for name, layout in placement.layouts.items():
+        mine: dict[str, dist.ProcessGroup] = {}
+        mine_ranks: dict[str, tuple[int, ...]] = {}
+        for kind, axes in GROUP_AXES.items():
+            for members in layout.groups(axes):
+                group = group_for(members)
+                if rank in members:
+                    assert group is not None
+                    mine[kind], mine_ranks[kind] = group, members
+        coord = layout.coord(rank)
+        if coord is None:
+            continue
+        mesh = DeviceMesh.from_group(
+            [mine[axis] for axis in MESH_AXES],
+            device_type,
+            mesh=torch.tensor(layout.ranks).reshape(layout.shape),
+            mesh_dim_names=MESH_AXES,
+        )
+        meshes[name] = ModuleMesh(name, layout, coord, mesh, mine, mine_ranks)
+    return meshes

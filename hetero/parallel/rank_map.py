@@ -1,0 +1,59 @@
+"""The rank map of an experiment: which module runs where, at which grid coordinate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hetero.config import ExperimentConfig
+from hetero.parallel.layout import MESH_AXES, format_ranks
+from hetero.parallel.placement import Placement
+
+COLUMNS = ("rank", "module", "tp", "cp", "dp", "pp", "colocated_with")
+
+
+def rank_map(experiment: ExperimentConfig, placement: Placement) -> dict[str, Any]:
+    """A JSON-ready description of the placement: modules and one row per (rank, module)."""
+    modules = {
+        name: {"kind": experiment.modules[name].kind}
+        | {axis: getattr(layout, axis) for axis in ("tp", "cp", "dp", "pp")}
+        | {"ranks": list(layout.ranks)}
+        for name, layout in placement.layouts.items()
+    }
+    rows = []
+    for rank in range(placement.world_size):
+        here = placement.modules_on(rank)
+        for name in here:
+            coord = placement.coord(name, rank)
+            assert coord is not None
+            rows.append(
+                {"rank": rank, "module": name}
+                | coord._asdict()
+                | {"colocated_with": [other for other in here if other != name]}
+            )
+    return {
+        "experiment": experiment.name,
+        "world_size": placement.world_size,
+        "placement": placement.mode,
+        "modules": modules,
+        "ranks": rows,
+    }
+
+
+def format_rank_map(description: dict[str, Any]) -> str:
+    """The rank map as aligned text: a module summary, then one line per (rank, module)."""
+    lines = [
+        f"experiment {description['experiment']}: {description['world_size']} ranks, "
+        f"placement {description['placement']}",
+        "",
+    ]
+    for name, module in description["modules"].items():
+        degrees = " ".join(f"{axis}{module[axis]}" for axis in reversed(MESH_AXES))
+        lines.append(f"  {name:<12} {module['kind']:<5} {degrees}  ranks {format_ranks(module['ranks'])}")
+    lines.append("")
+    table = [list(COLUMNS)]
+    for row in description["ranks"]:
+        cells = [str(row[c]) for c in COLUMNS[:-1]]
+        table.append(cells + [",".join(row["colocated_with"]) or "-"])
+    widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
+    return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""Every invalid configuration fails before any process starts, with a message naming field and fix.
+
+Each case writes a real YAML file (or overrides a shipped experiment) and composes it through Hydra.
+"""
+
+import copy
+
+import pytest
+import yaml
+
+from hetero.config import load_experiment, validate
+from hetero.errors import ConfigError
+from hetero.parallel.mesh import init_distributed
+
+VALID = {
+    "name": "case",
+    "world_size": 4,
+    "batch": {"global_batch_size": 16, "micro_batch_size": 2},
+    "vision": {
+        "kind": "vit",
+        "model": {"image_size": 32, "patch_size": 4, "hidden_size": 64, "num_heads": 4, "num_layers": 2},
+        "layout": {"tp": 1, "dp": 4},
+    },
+    "llm": {
+        "kind": "gpt",
+        "model": {"vocab_size": 256, "hidden_size": 64, "num_heads": 4, "num_layers": 2, "seq_len": 64},
+        "layout": {"tp": 2, "dp": 2},
+    },
+    "edges": [{"src": "vision", "dst": "llm"}],
+}
+
+
+def compose(tmp_path, change=None, overrides=()):
+    raw = copy.deepcopy(VALID)
+    if change:
+        change(raw)
+    path = tmp_path / "case.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    experiment = load_experiment(str(path), list(overrides))
+    return experiment, validate(experiment)
+
+
+def test_valid_base_config_passes(tmp_path):
+    _, placement = compose(tmp_path)
+    assert placement.mode == "colocated"
+
+
+def setter(path, value):
+    def change(raw):
+        node = raw
+        keys = path.split(".")
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
+
+    return change
+
+
+def both(*changes):
+    def change(raw):
+        for c in changes:
+            c(raw)
+
+    return change
+
+
+NON_COLOCATED = both(
+    setter("world_size", 6),
+    setter("placement", "non_colocated"),
+    setter("vision.layout", {"dp": 2, "offset": 0}),
+    setter("llm.layout", {"tp": 2, "dp": 2, "offset": 2}),
+)
+
+CASES = {
+    "degrees product != explicit rank count": (
+        setter("llm.layout", {"tp": 2, "dp": 2, "ranks": [0, 1, 2]}),
+        r"llm\.layout: tp\*cp\*dp\*pp = 2\*1\*2\*1 = 4 but the layout has 3 ranks \(0-2\)",
+    ),
+    "degrees product != size": (
+        setter("llm.layout", {"tp": 2, "dp": 1, "size": 4}),
+        r"llm\.layout: tp\*cp\*dp\*pp = 2\*1\*1\*1 = 2 but the layout has 4 ranks .*llm\.layout\.dp=2",
+    ),
+    "rank out of range": (
+        setter("llm.layout", {"tp": 2, "ranks": [2, 3, 4, 5]}),
+        r"llm\.layout: ranks 4-5 are outside the world of 4 ranks \(0-3\)",
+    ),
+    "rank listed twice": (
+        setter("llm.layout", {"tp": 2, "ranks": [0, 1, 1, 2]}),
+        r"llm\.layout\.ranks lists ranks \[1\] more than once",
+    ),
+    "overlap in a non-colocated placement": (
+        both(NON_COLOCATED, setter("llm.layout.offset", 1), setter("world_size", 5)),
+        r"placement=non_colocated but vision \(ranks 0-1\) and llm \(ranks 1-4\) share ranks 1; "
+        r"give them disjoint ranks",
+    ),
+    "colocated modules on different ranks": (
+        both(setter("placement", "colocated"), setter("vision.layout", {"dp": 2})),
+        r"placement=colocated but vision runs on ranks 0-1 and llm on ranks 0-3",
+    ),
+    "ranks no module covers": (
+        setter("world_size", 6),
+        r"world_size=6 but ranks 4-5 run no module; .* or set world_size=4",
+    ),
+    "heads not divisible by tp": (
+        both(setter("llm.layout", {"tp": 4, "dp": 1}), setter("llm.model.num_heads", 2),
+             setter("llm.model.hidden_size", 64)),
+        r"llm\.layout\.tp=4 does not divide llm\.model\.num_heads=2; choose tp from 1, 2",
+    ),
+    "ffn size not divisible by tp": (
+        both(setter("llm.layout", {"tp": 4, "dp": 1}), setter("llm.model.ffn_hidden_size", 90)),
+        r"llm\.layout\.tp=4 does not divide llm\.model\.ffn_hidden_size=90; choose tp from 1, 2, 3, 5",
+    ),
+    "vocabulary not divisible by tp": (
+        both(setter("llm.layout", {"tp": 4, "dp": 1}), setter("llm.model.vocab_size", 250)),
+        r"llm\.layout\.tp=4 does not divide llm\.model\.vocab_size=250",
+    ),
+    "sequence not divisible by 2*cp": (
+        both(setter("llm.layout", {"cp": 2, "dp": 2}), setter("llm.model.seq_len", 66)),
+        r"llm\.layout\.cp=2: sequence length 66 is not divisible by 2\*cp=4",
+    ),
+    "global batch not divisible by dp*micro batch": (
+        setter("batch.global_batch_size", 12),
+        r"batch\.global_batch_size=12 is not divisible by vision's dp\*micro_batch_size = 4\*2 = 8",
+    ),
+    "more pipeline stages than layers": (
+        setter("llm.layout", {"pp": 4}),
+        r"llm\.layout\.pp=4 is larger than llm\.model\.num_layers=2; .*use pp <= 2",
+    ),
+    "edge naming an unknown module": (
+        setter("edges", [{"src": "vision", "dst": "lm"}]),
+        r"edges\[0\]\.dst='lm' names no module; modules are vision, llm",
+    ),
+    "unknown module kind": (
+        setter("llm.kind", "mamba"),
+        r"llm\.kind='mamba' is not a known module kind; use one of gpt, vit",
+    ),
+    "dp cannot be inferred": (
+        both(setter("world_size", None), setter("vision.layout", {"tp": 1, "dp": 4}),
+             setter("llm.layout", {"tp": 3, "size": 4})),
+        r"llm\.layout: tp\*cp\*pp = 3\*1\*1 = 3 does not divide the 4 ranks",
+    ),
+    "degree below one": (
+        setter("llm.layout", {"tp": 0}),
+        r"llm\.layout\.tp=0 must be >= 1",
+    ),
+    "misspelled model field": (
+        setter("llm.model.num_head", 4),
+        r"llm\.model\.num_head: Key 'num_head' not in 'GPTConfig'",
+    ),
+    "wrong type in a layout": (
+        setter("llm.layout.tp", "two"),
+        r"llm\.layout\.tp: Value 'two' of type 'str' could not be converted to Integer",
+    ),
+    "stray top-level key": (
+        setter("batchsize", 4),
+        r"top-level key 'batchsize' is neither an experiment field",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_invalid_config_is_rejected(tmp_path, case):
+    change, message = CASES[case]
+    with pytest.raises(ConfigError, match=message):
+        compose(tmp_path, change)
+
+
+def test_hydra_override_with_bad_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"full_key: llm\.layout\.tp"):
+        load_experiment("colocated_vlm", ["llm.layout.tp=abc"])
+
+
+def test_override_makes_tp_not_divide_heads():
+    experiment = load_experiment("colocated_vlm", ["llm.layout.tp=4", "llm.layout.dp=1", "llm.model.num_heads=2"])
+    with pytest.raises(ConfigError, match=r"llm\.layout\.tp=4 does not divide llm\.model\.num_heads=2"):
+        validate(experiment)
+
+
+def test_unknown_experiment_lists_the_available_ones():
+    with pytest.raises(ConfigError, match=r"experiment 'nope' is not in .*choose one of .*colocated_vlm"):
+        load_experiment("nope")
+
+
+def test_launcher_world_size_must_match_before_any_group(monkeypatch):
+    placement = validate(load_experiment("non_colocated_vlm"))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"needs world_size=6 ranks but the launcher started 4 .*--nproc_per_node=6"):
+        init_distributed(placement)

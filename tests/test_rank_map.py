@@ -1,0 +1,80 @@
+"""`hetero layout` prints, for each shipped experiment, the rank map a newcomer reads: checked cell by cell."""
+
+import json
+import subprocess
+
+import pytest
+
+from hetero.config import CONFIG_DIR
+from layout_oracle import grid_coords, modules_of_yaml
+
+SHIPPED = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
+
+
+def expected_rows(config):
+    modules, world_size = modules_of_yaml(CONFIG_DIR / "experiment" / f"{config}.yaml")
+    coords = {name: grid_coords(m["layout"], world_size) for name, m in modules.items()}
+    rows = []
+    for rank in range(world_size):
+        here = [name for name in modules if rank in coords[name]]
+        for name in here:
+            c = coords[name][rank]
+            others = [o for o in here if o != name]
+            rows.append([str(rank), name, str(c["tp"]), str(c["cp"]), str(c["dp"]), str(c["pp"]),
+                         ",".join(others) or "-"])
+    return rows, modules, world_size
+
+
+def hetero(*args):
+    done = subprocess.run(["hetero", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_every_shipped_experiment_is_checked():
+    assert {"homogeneous_vlm", "colocated_vlm", "non_colocated_vlm", "mixed_vlm"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_table_cells(config):
+    rows, modules, world_size = expected_rows(config)
+    lines = hetero("layout", config).splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("rank ")))
+    assert lines[header].split() == ["rank", "module", "tp", "cp", "dp", "pp", "colocated_with"]
+    table = [line.split() for line in lines[header + 1 :]]
+    assert table == rows
+    assert lines[0].startswith(f"experiment {config}: {world_size} ranks, placement ")
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_json_cells(config):
+    rows, modules, world_size = expected_rows(config)
+    description = json.loads(hetero("layout", config, "--json"))
+    assert description["world_size"] == world_size
+    got = [
+        [str(r["rank"]), r["module"], str(r["tp"]), str(r["cp"]), str(r["dp"]), str(r["pp"]),
+         ",".join(r["colocated_with"]) or "-"]
+        for r in description["ranks"]
+    ]
+    assert got == rows
+    for name, module in modules.items():
+        assert description["modules"][name]["kind"] == module["kind"]
+
+
+def test_placement_modes():
+    modes = {c: json.loads(hetero("layout", c, "--json"))["placement"] for c in
+             ["homogeneous_vlm", "colocated_vlm", "non_colocated_vlm", "mixed_vlm"]}
+    assert modes == {"homogeneous_vlm": "colocated", "colocated_vlm": "colocated",
+                     "non_colocated_vlm": "non_colocated", "mixed_vlm": "mixed"}
+
+
+def test_override_changes_the_map():
+    description = json.loads(hetero("layout", "colocated_vlm", "llm.layout.tp=4", "llm.layout.dp=1", "--json"))
+    assert [r["tp"] for r in description["ranks"] if r["module"] == "llm"] == [0, 1, 2, 3]
+
+
+def test_bad_config_exits_with_the_error():
+    done = subprocess.run(["hetero", "layout", "colocated_vlm", "llm.layout.pp=4", "llm.layout.tp=1", "llm.layout.dp=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "llm.layout.pp=4 is larger than llm.model.num_layers=2" in done.stderr

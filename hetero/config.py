@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hetero.errors import ConfigError
 from hetero.models import MODEL_CONFIGS
 from hetero.parallel.layout import LayoutSpec
+from hetero.parallel.options import ParallelOptions
 from hetero.parallel.placement import Placement, place
 
 CONFIG_DIR = Path(os.environ.get("HETERO_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
@@ -50,6 +51,7 @@ class ModuleConfig:
     kind: str = ""
     model: dict[str, Any] = field(default_factory=dict)
     layout: LayoutSpec = field(default_factory=LayoutSpec)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
     micro_batch_size: int | None = None
 
 
@@ -185,8 +187,9 @@ def validate(experiment: ExperimentConfig) -> Placement:
     )
 
     errors: list[str] = []
-    for name in experiment.modules:
-        errors += experiment.model_config(name).errors(name, placement.layouts[name])
+    for name, module in experiment.modules.items():
+        errors += experiment.model_config(name).errors(name, placement.layouts[name], module.parallel)
+        errors += module.parallel.errors(name)
     batch = experiment.batch
     if batch.global_batch_size < 1 or batch.micro_batch_size < 1:
         errors.append(

@@ -151,6 +151,22 @@ CASES = {
         setter("llm.layout.tp", "two"),
         r"llm\.layout\.tp: Value 'two' of type 'str' could not be converted to Integer",
     ),
+    "unknown pipeline schedule": (
+        setter("llm.parallel", {"pipeline_schedule": "zero_bubble"}),
+        r"llm\.parallel\.pipeline_schedule='zero_bubble' is not one of gpipe, 1f1b",
+    ),
+    "sequence parallel split does not divide": (
+        both(setter("llm.parallel", {"sequence_parallel": True}), setter("llm.model.seq_len", 65)),
+        r"llm\.parallel\.sequence_parallel: the 65 tokens each CP rank holds do not split over tp=2",
+    ),
+    "fsdp with tensor parallelism": (
+        setter("llm.parallel", {"fsdp": True}),
+        r"llm\.parallel\.fsdp=true shards over dp×cp only and runs with tp=1 and pp=1 \(got tp=2, pp=1\)",
+    ),
+    "tied embeddings across pipeline stages": (
+        both(setter("llm.layout", {"pp": 2, "dp": 2}), setter("llm.model.tie_embeddings", True)),
+        r"llm\.model\.tie_embeddings=true needs the embedding and the output layer on one pipeline stage",
+    ),
     "stray top-level key": (
         setter("batchsize", 4),
         r"top-level key 'batchsize' is neither an experiment field",

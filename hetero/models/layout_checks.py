@@ -20,6 +20,8 @@ def transformer_layout_errors(
     num_layers: int,
     seq_len: int,
     vocab_size: int | None = None,
+    sequence_parallel: bool = False,
+    fsdp: bool = False,
 ) -> list[str]:
     """Every way ``layout`` fails to split this transformer; empty when it fits."""
     errors = []
@@ -41,6 +43,16 @@ def transformer_layout_errors(
             f"{module}.layout.cp={cp}: sequence length {seq_len} is not divisible by 2*cp={2 * cp} "
             f"(load-balanced CP cuts the sequence into 2*cp chunks); use a sequence length that is "
             f"a multiple of {2 * cp} or a smaller cp"
+        )
+    if sequence_parallel and tp > 1 and (seq_len // max(cp, 1)) % tp:
+        errors.append(
+            f"{module}.parallel.sequence_parallel: the {seq_len // cp} tokens each CP rank holds do not "
+            f"split over tp={tp}; use a sequence length that is a multiple of cp*tp={cp * tp}"
+        )
+    if fsdp and (tp > 1 or pp > 1):
+        errors.append(
+            f"{module}.parallel.fsdp=true shards over dp×cp only and runs with tp=1 and pp=1 "
+            f"(got tp={tp}, pp={pp}); turn fsdp off for this layout or set tp=1 and pp=1"
         )
     if pp > num_layers:
         errors.append(

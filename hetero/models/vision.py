@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from hetero.models.layout_checks import shape_errors, transformer_layout_errors
 from hetero.parallel.layout import Layout
+from hetero.parallel.options import ParallelOptions
 
 
 @dataclass
@@ -33,7 +34,8 @@ class ViTConfig:
         """Encoder sequence: the patches plus the class token."""
         return self.num_patches + 1
 
-    def errors(self, module: str, layout: Layout) -> list[str]:
+    def errors(self, module: str, layout: Layout, options: ParallelOptions | None = None) -> list[str]:
+        """Everything about this model that ``layout`` (and ``options``) cannot run; empty when fine."""
         errors = shape_errors(
             module,
             image_size=self.image_size,
@@ -70,4 +72,6 @@ class ViTConfig:
             ffn_hidden_size=self.ffn_size,
             num_layers=self.num_layers,
             seq_len=self.seq_len,
+            sequence_parallel=options is not None and options.sequence_parallel,
+            fsdp=options is not None and options.fsdp,
         )

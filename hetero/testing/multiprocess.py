@@ -15,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -71,11 +72,15 @@ def _rank_main(
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-        results.close()
-        results.join_thread()
+        _report(results, rank, False, traceback.format_exc())
         os._exit(1)  # skip interpreter shutdown: peers may be blocked in collectives with us
-    results.put((rank, True, value))
+    _report(results, rank, True, value)
+
+
+def _report(results: Any, rank: int, ok: bool, value: Any) -> None:
+    # Plain pickle, not the queue's own pickler: torch registers a reduction there that shares tensors
+    # through file descriptors of this process, which would be gone by the time the parent reads them.
+    results.put(pickle.dumps((rank, ok, value)))
     results.close()
     results.join_thread()
 
@@ -137,7 +142,7 @@ def _collect(procs: list[Any], results: Any, timeout_s: float) -> list[Any]:
     values: dict[int, Any] = {}
     while len(values) < len(procs):
         try:
-            rank, ok, value = results.get(timeout=0.2)
+            rank, ok, value = pickle.loads(results.get(timeout=0.2))
         except queue.Empty:
             dead = [
                 rank
@@ -165,7 +170,7 @@ def _drain_after_death(results: Any, values: dict[int, Any]) -> None:
     """A rank died: if it (or another) queued a traceback first, raise that instead."""
     try:
         while True:
-            rank, ok, value = results.get(timeout=0.5)
+            rank, ok, value = pickle.loads(results.get(timeout=0.5))
             if not ok:
                 raise RankFailure(rank, value)
             values[rank] = value

@@ -1,0 +1,31 @@
+"""Causal self-attention kernels shared by the models (plain, single-process)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: repeat each K/V head to serve its group of q heads (dim 1 is heads)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if k.shape != v.shape or heads % kv_heads != 0:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must match, with heads dividing q's {heads}"
+        )
+    if kv_heads == heads:
+        return k, v
+    return k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention on (batch, heads, seq, head_dim); k/v may have fewer heads (GQA)."""
+    k, v = expand_kv(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class CausalAttention(torch.nn.Module):
+    """The attention kernel as a module, so a parallel plan can swap it (e.g. for context parallelism)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v)

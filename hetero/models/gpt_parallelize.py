@@ -1,0 +1,114 @@
+"""Apply a module's layout to a GPT (torchtitan style): pipeline split, TP/SP, CP, activation
+checkpointing, and FSDP2 when asked. Without FSDP2 the trainer synchronizes gradients over dp×cp itself
+with a ``GradSync``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from hetero.models.gpt import GPT
+from hetero.parallel.context import ContextParallelAttention
+from hetero.parallel.mesh import ModuleMesh
+from hetero.parallel.options import ParallelOptions
+
+
+def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
+    """Contiguous layers of a pipeline stage; earlier stages take one extra when it does not divide."""
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def keep_stage(model: GPT, stage: int, num_stages: int) -> None:
+    """Drop everything a pipeline stage does not own; layer names stay global."""
+    keep = stage_layers(len(model.layers), stage, num_stages)
+    for name in list(model.layers):
+        if int(name) not in keep:
+            del model.layers[name]
+    if stage > 0:
+        model.tok_embeddings = None
+    if stage < num_stages - 1:
+        model.norm = None
+        model.output = None
+
+
+def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool) -> None:
+    tp_mesh = mesh.mesh["tp"]
+    # With sequence parallelism the residual stream between blocks is split over the sequence (Shard(1))
+    # inside the TP group; attention and MLP gather it back (Replicate) for their column-parallel inputs.
+    residual = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, nn.Module] = {}
+    if model.tok_embeddings is not None:  # vocab-parallel embedding
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if model.output is not None:  # vocab-parallel logits, consumed by loss_parallel
+        top["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    if model.norm is not None and sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        plan: dict[str, nn.Module] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        }
+        if sequence_parallel:
+            plan |= {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        parallelize_module(block, tp_mesh, plan)
+    if model.config.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight  # same Shard(0) placement: re-tie the DTensor
+
+
+def parallelize_gpt(model: GPT, mesh: ModuleMesh, options: ParallelOptions) -> GPT:
+    layout, coord = mesh.layout, mesh.coord
+    if layout.pp > 1:
+        keep_stage(model, coord.pp, layout.pp)
+    if layout.tp > 1:
+        apply_tensor_parallel(model, mesh, options.sequence_parallel)
+    if layout.cp > 1:
+        for block in model.layers.values():
+            block.attention.core = ContextParallelAttention(mesh.group("cp"), layout.cp, coord.cp)
+    if options.activation_checkpointing:
+        for name in list(model.layers):
+            model.layers[name] = checkpoint_wrapper(model.layers[name])
+    if options.fsdp:
+        apply_fsdp(model, mesh)
+    return model
+
+
+def apply_fsdp(model: GPT, mesh: ModuleMesh) -> None:
+    """FSDP2 over the flattened dp×cp ranks, one unit per block plus the root."""
+    device_type = mesh.mesh.device_type
+    dp_cp = DeviceMesh.from_group(
+        mesh.group("dp_cp"), device_type, mesh=list(mesh.group_ranks["dp_cp"]), mesh_dim_names=("dp_cp",)
+    )
+    units = [*model.layers.values(), model]
+    for unit in units:
+        fully_shard(unit, mesh=dp_cp)
+    for unit in units:
+        # Each microbatch loss is already divided by the global token count, so replicas' gradients
+        # are summed, not averaged; plain SUM because gloo has no PREMUL_SUM.
+        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]

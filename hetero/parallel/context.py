@@ -1,0 +1,115 @@
+"""Context-parallel (CP) causal attention: the sequence is split over the ranks of a CP group.
+
+Layout ("zigzag"). A sequence of length S is cut into 2*cp chunks of S/(2*cp) tokens. CP rank r holds
+chunk r followed by chunk 2*cp-1-r, i.e. S/cp tokens. Under a causal mask the cost of a query grows with
+its position, so pairing an early chunk with the mirrored late chunk gives every rank the same amount of
+attention work; a plain contiguous split would leave the last rank with most of it.
+
+Attention by all-gather of K and V. Each rank all-gathers K and V over the CP group, puts the gathered
+chunks back into global sequence order and attends its local queries to all S keys, with a causal mask
+built from global positions (query at position i sees keys at positions <= i). The gather is
+autograd-aware: forward is ``all_gather_single``, backward is ``reduce_scatter_single`` summing every
+rank's gradient for each K/V chunk back onto the rank that owns it (torch 2.13's names for
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``, which it deprecates).
+
+Why all-gather rather than ring attention: it is one collective per tensor and the attention itself is a
+single ordinary SDPA call, so there is no online-softmax merging of partial results and no hand-written
+backward for the attention. The cost is that each rank holds the full K and V, O(S) memory per rank
+instead of O(S/cp); with grouped-query attention K/V are the small tensors (the gather moves them before
+the heads are expanded), so this stays modest. A ring would overlap the transfer of K/V blocks with
+compute and keep memory at O(S/cp), at the price of considerably more complex code; it is the upgrade
+path if sequences grow until gathered K/V no longer fit.
+
+Everything runs on gloo (CPU) and NCCL (GPU) alike: only these two collectives are used
+(``torch.distributed.nn.functional`` is avoided because its backward needs ops gloo lacks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hetero.models.attention import causal_attention, expand_kv
+
+
+def zigzag_indices(
+    seq_len: int, cp: int, rank: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Global positions held by CP ``rank``, in local order: chunk ``rank``, then chunk ``2*cp-1-rank``."""
+    if cp < 1 or not 0 <= rank < cp:
+        raise ValueError(f"need cp >= 1 and 0 <= rank < cp, got cp={cp}, rank={rank}")
+    if seq_len % (2 * cp) != 0:
+        raise ValueError(f"seq_len={seq_len} is not divisible by 2*cp={2 * cp}")
+    chunk = seq_len // (2 * cp)
+    offsets = torch.arange(chunk, device=device)
+    return torch.cat([rank * chunk + offsets, (2 * cp - 1 - rank) * chunk + offsets])
+
+
+def split_for_cp(x: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    """This rank's part of a full-sequence tensor, whose sequence lies along ``dim``."""
+    return x.index_select(dim, zigzag_indices(x.shape[dim], cp, rank, device=x.device))
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenate every rank's tensor along dim 0; the gradient is reduce-scattered (summed) back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        world = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
+        dist.reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+def gather_from_cp(local: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Inverse of ``split_for_cp``: all-gather the local parts over ``group``, in global sequence order.
+
+    Autograd-aware: the gradient of the full tensor is summed over the group and sliced back per rank.
+    """
+    cp = dist.get_world_size(group)
+    gathered = _AllGather.apply(local.movedim(dim, 0), group).movedim(0, dim)
+    seq_len = gathered.shape[dim]
+    # Gathered order is rank 0's positions, then rank 1's, ...; argsort maps it to global order.
+    positions = torch.cat([zigzag_indices(seq_len, cp, r, device=local.device) for r in range(cp)])
+    return gathered.index_select(dim, torch.argsort(positions))
+
+
+class ContextParallelAttention(torch.nn.Module):
+    """Causal attention over a sequence split zigzag-wise across the CP group (see the module docstring).
+
+    ``forward(q, k, v)`` takes this rank's (batch, heads, S/cp, head_dim) parts and returns the output for
+    its local queries, causal over global positions. k/v may have fewer heads than q (GQA). With cp == 1
+    it is ``causal_attention`` and ``group`` is not used.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, cp: int, rank: int):
+        super().__init__()
+        if cp > 1 and (dist.get_world_size(group) != cp or dist.get_rank(group) != rank):
+            raise ValueError(
+                f"cp={cp}, rank={rank} do not match the group: size {dist.get_world_size(group)}, "
+                f"this process's rank in it {dist.get_rank(group)}"
+            )
+        self.group = group
+        self.cp = cp
+        self.rank = rank
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.cp == 1:
+            return causal_attention(q, k, v)
+        k = gather_from_cp(k, 2, self.group)
+        v = gather_from_cp(v, 2, self.group)
+        k, v = expand_kv(q, k, v)
+        seq_len = k.shape[2]
+        q_pos = zigzag_indices(seq_len, self.cp, self.rank, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # True = may attend
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -1,0 +1,31 @@
+"""Per-module parallel settings beyond the layout's degrees (the ``parallel:`` block of a module)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass
+class ParallelOptions:
+    sequence_parallel: bool = False  # shard norms and residuals over the sequence inside TP groups
+    pipeline_schedule: str = "1f1b"
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    precision: str = "fp32"  # bf16: bf16 compute (autocast), fp32 master weights and gradients
+    grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
+    fsdp: bool = False  # shard parameters, gradients and optimizer state over dp×cp with FSDP2
+
+    def errors(self, module: str) -> list[str]:
+        errors = []
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            errors.append(
+                f"{module}.parallel.pipeline_schedule={self.pipeline_schedule!r} is not one of "
+                f"{', '.join(PIPELINE_SCHEDULES)}"
+            )
+        if self.precision not in PRECISIONS:
+            errors.append(f"{module}.parallel.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.grad_bucket_mb <= 0:
+            errors.append(f"{module}.parallel.grad_bucket_mb={self.grad_bucket_mb} must be > 0")
+        return errors

@@ -1,0 +1,197 @@
+"""Train one GPT under one module layout: the LLM training step every later trainer builds on.
+
+Every rank receives the same global batch (tokens and labels, batch × seq) and takes its own part: the
+rows of its DP coordinate, the zigzag sequence chunks of its CP coordinate, split into microbatches of
+``micro_batch_size``. Each microbatch's loss is its token-loss sum divided by the global token count, so
+summing gradients over dp×cp gives exactly the gradient of the global mean loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from hetero.errors import ConfigError
+from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
+from hetero.models.gpt_parallelize import parallelize_gpt
+from hetero.parallel.context import split_for_cp, zigzag_indices
+from hetero.parallel.data import AllReduceGradSync, GradSync
+from hetero.parallel.mesh import ModuleMesh
+from hetero.parallel.options import ParallelOptions
+from hetero.parallel.pipeline import P2PTransport, PipelineStage, run_pipeline
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps
+    decay_steps: int = 0  # cosine decay to 10% of lr over this many steps after warmup (0: constant)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for 0-based optimizer step ``step``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay_steps <= 0:
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class StageForward(nn.Module):
+    """The model's forward at fixed positions and precision: what a pipeline stage runs per microbatch."""
+
+    def __init__(self, model: GPT, positions: torch.Tensor, precision: str):
+        super().__init__()
+        self.model = model
+        self.positions = positions
+        self.precision = precision
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device_type = "cuda" if x.is_cuda else "cpu"
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            return self.model(x, self.positions)
+
+
+class LMTrainer:
+    def __init__(
+        self,
+        config: GPTConfig,
+        mesh: ModuleMesh | None,
+        *,
+        micro_batch_size: int,
+        options: ParallelOptions | None = None,
+        optimizer: OptimizerConfig | None = None,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+    ):
+        self.config = config
+        self.mesh = mesh
+        self.options = options or ParallelOptions()
+        self.micro_batch_size = micro_batch_size
+        self.device = torch.device(device)
+        name = mesh.name if mesh is not None else "llm"
+        errors = self.options.errors(name)
+        if mesh is not None:
+            errors += config.errors(name, mesh.layout, self.options)
+        if errors:
+            raise ConfigError("\n".join(errors))
+        torch.manual_seed(seed)  # every rank builds the same full model, then keeps its shard
+        model = GPT(config).to(self.device)
+        self.model = parallelize_gpt(model, mesh, self.options) if mesh is not None else model
+        opt = self.optimizer_config = optimizer or OptimizerConfig()
+        self.step = 0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, eps=opt.eps
+        )
+        self.grad_sync: GradSync | None = None
+        self.replicas = 1 if mesh is None else mesh.layout.dp * mesh.layout.cp
+        if self.replicas > 1 and not self.options.fsdp:
+            self.grad_sync = AllReduceGradSync(mesh.group("dp_cp"), int(self.options.grad_bucket_mb * 2**20))
+
+    def _degree(self, axis: str) -> int:
+        return 1 if self.mesh is None else getattr(self.mesh.layout, axis)
+
+    def _coord(self, axis: str) -> int:
+        return 0 if self.mesh is None else getattr(self.mesh.coord, axis)
+
+    def local_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows (DP) and sequence chunks (CP) of the global batch."""
+        dp, cp = self._degree("dp"), self._degree("cp")
+        rows = tokens.shape[0] // dp
+        start = self._coord("dp") * rows
+        tokens, labels = tokens[start : start + rows], labels[start : start + rows]
+        if cp > 1:
+            tokens = split_for_cp(tokens, 1, cp, self._coord("cp"))
+            labels = split_for_cp(labels, 1, cp, self._coord("cp"))
+        return tokens.to(self.device), labels.to(self.device)
+
+    def positions(self, seq_len: int) -> torch.Tensor:
+        cp = self._degree("cp")
+        if cp > 1:
+            return zigzag_indices(seq_len, cp, self._coord("cp"), device=self.device)
+        return torch.arange(seq_len, device=self.device)
+
+    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+        """One optimizer step on the global batch; returns the global mean token loss (nats)."""
+        global_tokens = tokens.numel()
+        local_tokens, local_labels = self.local_batch(tokens, labels)
+        inputs = list(local_tokens.split(self.micro_batch_size))
+        targets = list(local_labels.split(self.micro_batch_size))
+        stage_forward = StageForward(self.model, self.positions(tokens.shape[1]), self.options.precision)
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return token_loss_sum(logits, target) / global_tokens
+
+        self.optimizer.zero_grad(set_to_none=True)
+        parallel_loss = loss_parallel() if self._degree("tp") > 1 else contextlib.nullcontext()
+        with parallel_loss:
+            if self._degree("pp") > 1:
+                losses = run_pipeline(
+                    self._pipeline_stage(stage_forward, local_tokens.shape[1]),
+                    self.options.pipeline_schedule,
+                    len(inputs),
+                    inputs if self.mesh.is_first_stage else None,  # type: ignore[union-attr]
+                    targets if self.mesh.is_last_stage else None,  # type: ignore[union-attr]
+                    loss_fn,
+                )
+            else:
+                losses = []
+                for i, (x, y) in enumerate(zip(inputs, targets)):
+                    if self.options.fsdp:  # reduce-scatter gradients once, after the last microbatch
+                        self.model.set_requires_gradient_sync(i == len(inputs) - 1)  # type: ignore[operator]
+                    loss = loss_fn(stage_forward(x), y)
+                    loss.backward()
+                    losses.append(loss.detach())
+        if self.grad_sync is not None:
+            self.grad_sync.sync(self.model.parameters())
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.optimizer_config.lr_at(self.step)
+        self.optimizer.step()
+        self.step += 1
+        return self._global_loss(losses)
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+        """Mean token loss on a batch without updating anything (single-stage layouts)."""
+        if self._degree("pp") > 1:
+            raise ValueError("eval_loss runs single-stage layouts only (pp=1)")
+        local_tokens, local_labels = self.local_batch(tokens, labels)
+        forward = StageForward(self.model, self.positions(tokens.shape[1]), self.options.precision)
+        parallel_loss = loss_parallel() if self._degree("tp") > 1 else contextlib.nullcontext()
+        with parallel_loss:
+            loss = token_loss_sum(forward(local_tokens), local_labels) / tokens.numel()
+        return self._global_loss([loss])
+
+    def _pipeline_stage(self, stage_forward: StageForward, local_seq: int) -> PipelineStage:
+        assert self.mesh is not None
+        layout, coord = self.mesh.layout, self.mesh.coord
+        seq = local_seq // layout.tp if self.options.sequence_parallel and layout.tp > 1 else local_seq
+        prev_rank = layout.rank_at(coord._replace(pp=coord.pp - 1)) if coord.pp > 0 else None
+        next_rank = layout.rank_at(coord._replace(pp=coord.pp + 1)) if coord.pp < layout.pp - 1 else None
+        # The residual stream stays fp32 under bf16 autocast, so stages exchange fp32 activations.
+        shape = (self.micro_batch_size, seq, self.config.hidden_size)
+        transport = P2PTransport(prev_rank, next_rank, shape, torch.float32, device=self.device)
+        return PipelineStage(stage_forward, coord.pp, layout.pp, transport)
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> float:
+        total = torch.zeros((), device=self.device)
+        for loss in losses:
+            total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+        if self.mesh is None:
+            return total.item()
+        if self.replicas > 1:
+            dist.all_reduce(total, group=self.mesh.group("dp_cp"))
+        if self.mesh.layout.pp > 1:
+            last = self.mesh.group_ranks["pp"][-1]
+            dist.broadcast(total, src=last, group=self.mesh.group("pp"))
+        return total.item()

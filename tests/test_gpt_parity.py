@@ -1,0 +1,159 @@
+"""The GPT under every parallel layout matches one process: losses for 10 AdamW steps, gradients at step 1.
+
+fp32, fixed seed and data, ≥4 microbatches per step. The reference is a plain PyTorch loop over the
+whole global batch, written here without hetero's trainer.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
+from hetero.parallel.layout import LayoutSpec
+from hetero.parallel.mesh import build_module_meshes
+from hetero.parallel.options import ParallelOptions
+from hetero.parallel.placement import place
+from hetero.testing.multiprocess import run_ranks
+from hetero.train.lm import LMTrainer, OptimizerConfig
+
+CONFIG = GPTConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                   ffn_hidden_size=64, seq_len=16)
+GLOBAL_BATCH = 8
+MICROBATCHES = 4
+STEPS = 10
+LR = 1e-2
+SEED = 1234
+
+
+def batches(config=CONFIG, steps=STEPS):
+    gen = torch.Generator().manual_seed(99)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, config.seq_len + 1), generator=gen)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def reference(config=CONFIG, steps=STEPS):
+    torch.manual_seed(SEED)
+    model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
+    losses, grads = [], None
+    for step, (tokens, labels) in enumerate(batches(config, steps)):
+        opt.zero_grad()
+        loss = token_loss_sum(model(tokens), labels) / tokens.numel()
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def full_grads(model):
+    out = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name.replace("_checkpoint_wrapped_module.", "")] = grad.detach().clone()
+    return out
+
+
+def train_on_ranks(rank, world_size, layout_kwargs, options, config=CONFIG, steps=STEPS):
+    placement = place({"llm": LayoutSpec(**layout_kwargs)}, world_size)
+    mesh = build_module_meshes(placement)["llm"]
+    dp = mesh.layout.dp
+    trainer = LMTrainer(config, mesh, micro_batch_size=GLOBAL_BATCH // (dp * MICROBATCHES), options=options,
+                        optimizer=OptimizerConfig(lr=LR), seed=SEED)
+    losses, grads = [], None
+    for step, (tokens, labels) in enumerate(batches(config, steps)):
+        losses.append(trainer.train_step(tokens, labels))
+        if step == 0:
+            grads = full_grads(trainer.model)
+    return losses, grads
+
+
+LAYOUTS = {
+    "tp2": ({"tp": 2}, ParallelOptions()),
+    "tp2+sp": ({"tp": 2}, ParallelOptions(sequence_parallel=True)),
+    "cp2": ({"cp": 2}, ParallelOptions()),
+    "cp4": ({"cp": 4}, ParallelOptions()),
+    "pp2": ({"pp": 2}, ParallelOptions()),
+    "pp2-gpipe": ({"pp": 2}, ParallelOptions(pipeline_schedule="gpipe")),
+    "pp4": ({"pp": 4}, ParallelOptions()),
+    "dp2": ({"dp": 2}, ParallelOptions()),
+    "dp2+checkpointing": ({"dp": 2}, ParallelOptions(activation_checkpointing=True)),
+    "dp2+fsdp": ({"dp": 2}, ParallelOptions(fsdp=True)),
+    "dp2·cp2+fsdp": ({"dp": 2, "cp": 2}, ParallelOptions(fsdp=True)),
+    "tp2·cp2": ({"tp": 2, "cp": 2}, ParallelOptions()),
+    "tp2·pp2": ({"tp": 2, "pp": 2}, ParallelOptions()),
+    "tp2·pp2+sp": ({"tp": 2, "pp": 2}, ParallelOptions(sequence_parallel=True)),
+    "dp2·cp2": ({"dp": 2, "cp": 2}, ParallelOptions()),
+    "pp2·dp2": ({"pp": 2, "dp": 2}, ParallelOptions()),
+    "tp2·cp2·pp2": ({"tp": 2, "cp": 2, "pp": 2}, ParallelOptions()),
+    "dp2·tp2·pp2": ({"dp": 2, "tp": 2, "pp": 2}, ParallelOptions()),
+}
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return reference()
+
+
+def relative(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_parity_with_one_process(name, expected):
+    layout, options = LAYOUTS[name]
+    world_size = 1
+    for degree in layout.values():
+        world_size *= degree
+    results = run_ranks(train_on_ranks, world_size, layout, options, timeout_s=300)
+    ref_losses, ref_grads = expected
+    losses = results[0][0]
+    loss_error = max(abs(got - want) / abs(want) for got, want in zip(losses, ref_losses))
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step + 1}: loss {got} vs {want}"
+    for rank_losses, _ in results:
+        assert rank_losses == losses  # every rank reports the same global loss
+    grads = {}
+    for _, rank_grads in results:
+        for key, grad in rank_grads.items():
+            if key in grads:
+                torch.testing.assert_close(grad, grads[key], rtol=0, atol=0)  # replicas agree exactly
+            grads[key] = grad
+    assert set(grads) == set(ref_grads)
+    worst = max(relative(grads[k], ref_grads[k]) for k in ref_grads)
+    print(f"\nparity {name}: worst step loss rel error {loss_error:.1e}, worst gradient rel error {worst:.1e}")
+    assert worst <= 1e-5, f"worst relative gradient error {worst:.2e}"
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_bf16_losses_stay_close_to_fp32(name, expected):
+    """bf16 compute (autocast) with fp32 master weights: 3 steps complete, losses within 2e-2 of fp32."""
+    layout, _ = LAYOUTS[name]
+    results = run_ranks(train_on_ranks, 2, layout, ParallelOptions(precision="bf16"), CONFIG, 3, timeout_s=300)
+    differences = [abs(got - want) for got, want in zip(results[0][0], expected[0])]
+    print(f"\nbf16 {name}: losses {results[0][0]}, largest difference from fp32 {max(differences):.1e}")
+    assert len(differences) == 3 and max(differences) <= 2e-2
+
+
+def build_trainer_with_bad_layout(rank, world_size, layout_kwargs, config):
+    placement = place({"llm": LayoutSpec(**layout_kwargs)}, world_size)
+    LMTrainer(config, build_module_meshes(placement)["llm"], micro_batch_size=1)
+
+
+@pytest.mark.parametrize(
+    "layout,config,message",
+    [
+        ({"tp": 2}, replace(CONFIG, num_heads=3, num_kv_heads=None, hidden_size=33),
+         r"llm\.layout\.tp=2 does not divide llm\.model\.num_heads=3"),
+        ({"cp": 2}, replace(CONFIG, seq_len=18), r"llm\.layout\.cp=2: sequence length 18 is not divisible by 2\*cp=4"),
+        ({"pp": 2}, replace(CONFIG, num_layers=1), r"llm\.layout\.pp=2 is larger than llm\.model\.num_layers=1"),
+    ],
+)
+def test_trainer_refuses_a_layout_the_model_cannot_take(layout, config, message):
+    with pytest.raises(Exception, match=message):
+        run_ranks(build_trainer_with_bad_layout, 2, layout, config, timeout_s=60)

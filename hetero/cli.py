@@ -26,6 +26,18 @@ def _layout(args: argparse.Namespace) -> None:
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
 
 
+BENCHMARKS = {
+    "boundary": "hetero.bench.boundary",
+    "overhead": "hetero.bench.overhead",
+}
+
+
+def _bench(args: argparse.Namespace) -> int | None:
+    import importlib
+
+    return importlib.import_module(BENCHMARKS[args.name]).main(args.options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetero", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -42,17 +54,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layout.add_argument("--json", action="store_true", help="print the map as JSON")
     layout.set_defaults(run=_layout)
+    bench = commands.add_parser(
+        "bench",
+        help="run a benchmark (figures measured side by side in one run)",
+        description="Run a benchmark; options after the name go to it (e.g. hetero bench overhead --steps 50).",
+    )
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    bench.set_defaults(run=_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.run(args)
+        status = args.run(args)
     except ConfigError as err:
         print(f"hetero: error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""The learning run and the overhead benchmark run end to end (tiny budgets; no timing assertions)."""
+"""The learning run and the benchmarks run end to end (tiny budgets; no timing assertions)."""
+
+import subprocess
 
 from hetero.bench import overhead
 from hetero.train import text_lm
@@ -16,3 +18,10 @@ def test_overhead_benchmark_reports_a_ratio(capsys):
     out = capsys.readouterr().out
     assert "ratio hetero / plain" in out
     assert "largest loss difference 0.00e+00" in out  # same model, same data, same losses
+
+
+def test_boundary_benchmark_passes_its_checks():
+    done = subprocess.run(["hetero", "bench", "boundary"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdicts) == 4 and all(v.startswith("PASS") for v in verdicts)

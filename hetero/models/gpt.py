@@ -161,7 +161,8 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (batch, seq) on the first stage, hidden states on later stages.
+        """Token ids (batch, seq) or embeddings (batch, seq, hidden) on the first stage, hidden states on
+        later stages.
 
         ``positions`` are the absolute positions of the sequence this rank holds (needed when the
         sequence is split, e.g. by context parallelism); by default 0..seq-1.
@@ -170,7 +171,9 @@ class GPT(nn.Module):
             positions = torch.arange(x.shape[1], device=x.device)
         cos, sin = rope_tables(self.config.hidden_size // self.config.num_heads, positions, self.config.rope_theta)
         cos, sin = cos.to(x.device), sin.to(x.device)
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        # Float input is already embedded: hidden states from the previous stage, or the first stage's
+        # embeddings with other modalities merged in.
+        h = x if torch.is_floating_point(x) else self.tok_embeddings(x)  # type: ignore[misc]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -20,6 +18,7 @@ from torch.distributed.tensor.parallel import (
 
 from hetero.models.gpt import GPT
 from hetero.parallel.context import ContextParallelAttention
+from hetero.parallel.fsdp import apply_fsdp
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 
@@ -94,21 +93,5 @@ def parallelize_gpt(model: GPT, mesh: ModuleMesh, options: ParallelOptions) -> G
         for name in list(model.layers):
             model.layers[name] = checkpoint_wrapper(model.layers[name])
     if options.fsdp:
-        apply_fsdp(model, mesh)
+        apply_fsdp(model, model.layers.values(), mesh)
     return model
-
-
-def apply_fsdp(model: GPT, mesh: ModuleMesh) -> None:
-    """FSDP2 over the flattened dp×cp ranks, one unit per block plus the root."""
-    device_type = mesh.mesh.device_type
-    dp_cp = DeviceMesh.from_group(
-        mesh.group("dp_cp"), device_type, mesh=list(mesh.group_ranks["dp_cp"]), mesh_dim_names=("dp_cp",)
-    )
-    units = [*model.layers.values(), model]
-    for unit in units:
-        fully_shard(unit, mesh=dp_cp)
-    for unit in units:
-        # Each microbatch loss is already divided by the global token count, so replicas' gradients
-        # are summed, not averaged; plain SUM because gloo has no PREMUL_SUM.
-        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
-        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]

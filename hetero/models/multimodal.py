@@ -1,0 +1,31 @@
+"""A vision-language model as one module (the single-process reference) and the merge step it shares
+with the distributed trainer: image embeddings take the places of the first tokens of the sequence."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hetero.models.gpt import GPT, GPTConfig
+from hetero.models.vision import VisionEncoder, ViTConfig
+
+IMAGE_TOKEN = 0  # byte 0 (NUL) never occurs in captions; it marks the image's places in the sequence
+
+
+def merge_image_embeddings(text: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    """Token embeddings (batch, seq, hidden) with the first ``images.shape[1]`` positions replaced."""
+    return torch.cat([images.to(text.dtype), text[:, images.shape[1] :]], dim=1)
+
+
+class VisionLanguageModel(nn.Module):
+    def __init__(self, vision: ViTConfig, llm: GPTConfig, seed: int = 0):
+        super().__init__()
+        # Each module draws its weights from its own seed, as on ranks that hold only one of them.
+        torch.manual_seed(seed)
+        self.vision = VisionEncoder(vision)
+        torch.manual_seed(seed + 1)
+        self.llm = GPT(llm)
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.llm.tok_embeddings is not None
+        return self.llm(merge_image_embeddings(self.llm.tok_embeddings(tokens), self.vision(images)))

@@ -1,0 +1,40 @@
+"""Apply a module's layout to the vision encoder: TP over heads and MLP, activation checkpointing, FSDP2.
+
+Data parallelism is the trainer's gradient sync (or FSDP2). The encoder's sequence is short and its
+inputs are bounded, so it runs with cp=1 and pp=1 (the config check says so).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from hetero.models.vision import VisionEncoder
+from hetero.parallel.fsdp import apply_fsdp
+from hetero.parallel.mesh import ModuleMesh
+from hetero.parallel.options import ParallelOptions
+
+
+def parallelize_vision(model: VisionEncoder, mesh: ModuleMesh, options: ParallelOptions) -> VisionEncoder:
+    if mesh.layout.tp > 1:
+        tp_mesh = mesh.mesh["tp"]
+        for block in model.layers.values():
+            parallelize_module(
+                block,
+                tp_mesh,
+                {
+                    "attention.wq": ColwiseParallel(),
+                    "attention.wk": ColwiseParallel(),
+                    "attention.wv": ColwiseParallel(),
+                    "attention.wo": RowwiseParallel(),
+                    "mlp.w1": ColwiseParallel(),
+                    "mlp.w2": RowwiseParallel(),
+                },
+            )
+        parallelize_module(model, tp_mesh, {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})
+    if options.activation_checkpointing:
+        for name in list(model.layers):
+            model.layers[name] = checkpoint_wrapper(model.layers[name])
+    if options.fsdp:
+        apply_fsdp(model, model.layers.values(), mesh)
+    return model

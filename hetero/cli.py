@@ -26,9 +26,26 @@ def _layout(args: argparse.Namespace) -> None:
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
 
 
+def _train(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from hetero.config import load_experiment, validate
+
+    name, overrides = _split_config_and_overrides(args.config)
+    selection = [f"experiment={name}"] if name else []
+    nproc = args.nproc or validate(load_experiment(name, overrides)).world_size
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "hetero.train.run", *selection, *overrides,
+    ]
+    print(" ".join(command), flush=True)
+    return subprocess.call(command)
+
+
 BENCHMARKS = {
     "boundary": "hetero.bench.boundary",
     "overhead": "hetero.bench.overhead",
+    "vlm": "hetero.bench.vlm",
 }
 
 
@@ -54,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layout.add_argument("--json", action="store_true", help="print the map as JSON")
     layout.set_defaults(run=_layout)
+    train = commands.add_parser(
+        "train",
+        help="train an experiment on this node (runs torchrun with the experiment's world size)",
+        description="Train an experiment on one node: torchrun -m hetero.train.run with the right --nproc_per_node.",
+    )
+    train.add_argument("config", nargs="*", metavar="CONFIG [OVERRIDE ...]", help="as for hetero layout")
+    train.add_argument("--nproc", type=int, default=0, help="processes (default: the experiment's world_size)")
+    train.set_defaults(run=_train)
+    data = commands.add_parser("data", help="write datasets to webdataset shards")
+    from hetero.data import digits
+
+    digits.add_parser(data.add_subparsers(dest="dataset", required=True))
     bench = commands.add_parser(
         "bench",
         help="run a benchmark (figures measured side by side in one run)",

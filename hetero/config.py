@@ -30,6 +30,7 @@ from hetero.models import MODEL_CONFIGS
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.placement import Placement, place
+from hetero.train.optim import OptimizerConfig
 
 CONFIG_DIR = Path(os.environ.get("HETERO_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
 
@@ -52,7 +53,20 @@ class ModuleConfig:
     model: dict[str, Any] = field(default_factory=dict)
     layout: LayoutSpec = field(default_factory=LayoutSpec)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     micro_batch_size: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    grad_clip: float = 1.0  # one gradient-norm clip over every module (0: off)
+    log_every: int = 10
+    eval_every: int = 100  # held-out evaluation (0: only at the end)
+    data_dir: str = "data/digits"  # webdataset shards; written there on first use
+    run_dir: str = "outputs"  # each run writes under run_dir/<experiment name>
+    wandb: str = "offline"  # offline | disabled: no network is ever needed
+    wandb_project: str = "hetero"
 
 
 @dataclass
@@ -64,6 +78,7 @@ class ExperimentConfig:
     timeout_s: float = 300.0  # every collective and process-group setup fails after this
     seed: int = 0
     batch: BatchConfig = field(default_factory=BatchConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     edges: list[EdgeConfig] = field(default_factory=list)
     modules: dict[str, ModuleConfig] = field(default_factory=dict)
 
@@ -80,9 +95,16 @@ class ExperimentConfig:
     def micro_batch_size(self, module: str) -> int:
         return self.modules[module].micro_batch_size or self.batch.micro_batch_size
 
+    def num_microbatches(self, module: str, dp: int) -> int:
+        """Microbatches per step: the global batch over the module's dp × micro-batch size."""
+        return self.batch.global_batch_size // (dp * self.micro_batch_size(module))
 
-# Experiment YAMLs type-check each module at compose time with ``defaults: [/hetero/module@NAME]``.
+
+# Experiment YAMLs type-check each module at compose time with ``defaults: [/hetero/module@NAME]``;
+# the base config does the same for ``batch`` and ``train``.
 ConfigStore.instance().store(group="hetero", name="module", node=ModuleConfig)
+ConfigStore.instance().store(group="hetero", name="batch", node=BatchConfig)
+ConfigStore.instance().store(group="hetero", name="train", node=TrainConfig)
 
 _TOP_LEVEL = tuple(f.name for f in fields(ExperimentConfig) if f.name != "modules")
 
@@ -207,6 +229,21 @@ def validate(experiment: ExperimentConfig) -> Placement:
                     f"dp*micro_batch_size = {layout.dp}*{mbs} = {layout.dp * mbs}; use a global batch "
                     f"that is a multiple of {layout.dp * mbs}"
                 )
+        if not errors:
+            counts = {n: experiment.num_microbatches(n, l.dp) for n, l in placement.layouts.items()}
+            if len(set(counts.values())) > 1:
+                listed = ", ".join(
+                    f"{n}: {batch.global_batch_size}/({placement.layouts[n].dp}*{experiment.micro_batch_size(n)})"
+                    f" = {c}" for n, c in counts.items()
+                )
+                errors.append(
+                    f"modules split the global batch into different numbers of microbatches ({listed}); "
+                    f"set each module's micro_batch_size so that global_batch_size/(dp*micro_batch_size) agree"
+                )
+    if experiment.train.wandb not in ("offline", "disabled"):
+        errors.append(f"train.wandb={experiment.train.wandb!r} is not one of offline, disabled")
+    if experiment.train.steps < 1:
+        errors.append(f"train.steps={experiment.train.steps} must be >= 1")
     if errors:
         raise ConfigError("\n".join(errors))
     return placement

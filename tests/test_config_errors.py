@@ -20,6 +20,7 @@ VALID = {
         "kind": "vit",
         "model": {"image_size": 32, "patch_size": 4, "hidden_size": 64, "num_heads": 4, "num_layers": 2},
         "layout": {"tp": 1, "dp": 4},
+        "micro_batch_size": 1,
     },
     "llm": {
         "kind": "gpt",
@@ -119,8 +120,17 @@ CASES = {
         r"llm\.layout\.cp=2: sequence length 66 is not divisible by 2\*cp=4",
     ),
     "global batch not divisible by dp*micro batch": (
-        setter("batch.global_batch_size", 12),
-        r"batch\.global_batch_size=12 is not divisible by vision's dp\*micro_batch_size = 4\*2 = 8",
+        setter("batch.global_batch_size", 10),
+        r"batch\.global_batch_size=10 is not divisible by vision's dp\*micro_batch_size = 4\*1 = 4",
+    ),
+    "modules disagree on the microbatch count": (
+        setter("vision.micro_batch_size", 2),
+        r"modules split the global batch into different numbers of microbatches \(vision: 16/\(4\*2\) = 2, "
+        r"llm: 16/\(2\*2\) = 4\)",
+    ),
+    "unknown wandb mode": (
+        setter("train", {"wandb": "online"}),
+        r"train\.wandb='online' is not one of offline, disabled",
     ),
     "more pipeline stages than layers": (
         setter("llm.layout", {"pp": 4}),

@@ -15,7 +15,8 @@ from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.placement import place
 from hetero.testing.multiprocess import run_ranks
-from hetero.train.lm import LMTrainer, OptimizerConfig
+from hetero.train.lm import LMTrainer
+from hetero.train.optim import OptimizerConfig
 
 CONFIG = GPTConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
                    ffn_hidden_size=64, seq_len=16)

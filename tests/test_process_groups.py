@@ -27,17 +27,18 @@ MIXED_8 = {
         "model": {"hidden_size": 32, "num_heads": 4, "num_layers": 2, "seq_len": 32},
         "layout": {"tp": 2, "cp": 2, "dp": 2},
     },
-    "vision": {
-        "kind": "vit",
-        "model": {"hidden_size": 32, "num_heads": 2, "num_layers": 2},
+    "encoder": {
+        "kind": "gpt",
+        "model": {"hidden_size": 32, "num_heads": 2, "num_layers": 2, "seq_len": 32},
         "layout": {"tp": 2, "pp": 2, "ranks": [7, 3, 6, 2]},
+        "micro_batch_size": 2,
     },
     "decoder": {
         "kind": "gpt",
         "model": {"hidden_size": 32, "num_heads": 4, "num_layers": 4, "seq_len": 32},
         "layout": {"pp": 2, "dp": 2, "offset": 0},
     },
-    "edges": [{"src": "vision", "dst": "llm"}, {"src": "llm", "dst": "decoder"}],
+    "edges": [{"src": "encoder", "dst": "llm"}, {"src": "llm", "dst": "decoder"}],
 }
 
 AXES = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp")}
@@ -105,6 +106,6 @@ def test_groups_of_an_8_rank_mixed_placement(tmp_path):
 def test_groups_follow_a_hydra_override():
     """`llm.layout.tp=1 llm.layout.dp=4` changes the groups the ranks build."""
     results = run_ranks(
-        all_reduce_every_group, 4, "colocated_vlm", ["llm.layout.tp=1", "llm.layout.dp=4"], timeout_s=120
+        all_reduce_every_group, 4, "colocated_vlm", ["llm.layout.tp=1", "llm.layout.dp=4", "llm.micro_batch_size=1"], timeout_s=120
     )
     check(results, {"llm": {"layout": {"tp": 1, "dp": 4}}}, 4)

@@ -16,7 +16,7 @@ from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.placement import place
 from hetero.testing.multiprocess import run_ranks
-from hetero.train.lm import OptimizerConfig
+from hetero.train.optim import OptimizerConfig
 from hetero.train.vlm import ModuleSetup, VLMTrainer
 
 VISION = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_layers=2, num_heads=4, out_size=32)

@@ -16,7 +16,8 @@ import torch
 
 from hetero.data.text import VOCAB_SIZE, load_stdlib_corpus, sample_batch
 from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
-from hetero.train.lm import LMTrainer, OptimizerConfig
+from hetero.train.lm import LMTrainer
+from hetero.train.optim import OptimizerConfig
 
 MODEL = GPTConfig(vocab_size=VOCAB_SIZE, hidden_size=128, num_layers=2, num_heads=4, seq_len=128)
 BATCH = 8

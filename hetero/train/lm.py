@@ -9,8 +9,6 @@ summing gradients over dp×cp gives exactly the gradient of the global mean loss
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,25 +24,7 @@ from hetero.parallel.data import AllReduceGradSync, GradSync
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.pipeline import P2PTransport, PipelineStage, run_pipeline
-
-
-@dataclass
-class OptimizerConfig:
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.0
-    eps: float = 1e-8
-    warmup_steps: int = 0  # linear warmup from lr/warmup_steps
-    decay_steps: int = 0  # cosine decay to 10% of lr over this many steps after warmup (0: constant)
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate for 0-based optimizer step ``step``."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        if self.decay_steps <= 0:
-            return self.lr
-        progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
-        return self.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+from hetero.train.optim import OptimizerConfig, build_adamw
 
 
 class StageForward(nn.Module):
@@ -90,9 +70,7 @@ class LMTrainer:
         self.model = parallelize_gpt(model, mesh, self.options) if mesh is not None else model
         opt = self.optimizer_config = optimizer or OptimizerConfig()
         self.step = 0
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, eps=opt.eps
-        )
+        self.optimizer = build_adamw(self.model, opt)
         self.grad_sync: GradSync | None = None
         self.replicas = 1 if mesh is None else mesh.layout.dp * mesh.layout.cp
         if self.replicas > 1 and not self.options.fsdp:

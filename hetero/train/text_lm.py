@@ -14,7 +14,8 @@ import torch
 
 from hetero.data.text import VOCAB_SIZE, bits_per_byte, heldout_batches, load_stdlib_corpus, sample_batch
 from hetero.models.gpt import GPTConfig
-from hetero.train.lm import LMTrainer, OptimizerConfig
+from hetero.train.lm import LMTrainer
+from hetero.train.optim import OptimizerConfig
 
 DEFAULT_MODEL = GPTConfig(vocab_size=VOCAB_SIZE, hidden_size=192, num_layers=4, num_heads=6, seq_len=128)
 

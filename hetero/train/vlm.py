@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hetero.data.digits import dp_rows
 from hetero.errors import ConfigError
 from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
 from hetero.models.gpt_parallelize import parallelize_gpt
@@ -43,7 +44,7 @@ from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.pipeline import P2PTransport, PipelineStage, run_pipeline
 from hetero.parallel.placement import Placement
-from hetero.train.lm import OptimizerConfig
+from hetero.train.optim import OptimizerConfig, build_adamw
 
 
 @dataclass
@@ -59,10 +60,7 @@ class ModuleRuntime:
 
     def __init__(self, name: str, model: nn.Module, mesh: ModuleMesh, setup: ModuleSetup):
         self.name, self.model, self.mesh, self.setup = name, model, mesh, setup
-        opt = setup.optimizer
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay, eps=opt.eps
-        )
+        self.optimizer = build_adamw(model, setup.optimizer)
         replicas = mesh.layout.dp * mesh.layout.cp
         self.grad_sync = (
             AllReduceGradSync(mesh.group("dp_cp"), int(setup.options.grad_bucket_mb * 2**20))
@@ -71,11 +69,8 @@ class ModuleRuntime:
         )
 
     def rows(self, batch_size: int) -> slice:
-        """This rank's contiguous rows of a microbatch; earlier DP ranks take the extra rows."""
-        base, extra = divmod(batch_size, self.mesh.layout.dp)
-        dp = self.mesh.coord.dp
-        start = dp * base + min(dp, extra)
-        return slice(start, start + base + (1 if dp < extra else 0))
+        """This rank's contiguous rows of a microbatch (by the module's own DP coordinate)."""
+        return dp_rows(batch_size, self.mesh.coord.dp, self.mesh.layout.dp)
 
     def squared_grad_norm(self) -> torch.Tensor:
         """Sum of squared gradients of the whole module, each element counted once, on every rank of it."""
@@ -155,6 +150,19 @@ class VLMTrainer:
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on the global batch (images, tokens, labels); returns loss and grad norm."""
+        return self._step(batch, update=True)
+
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Loss and next-token accuracy at ``digit_position`` on a batch, without changing any weight.
+
+        It runs the training schedule (so every layout evaluates the same way) and drops the gradients.
+        """
+        metrics = self._step(batch, update=False)
+        for module in self.modules.values():
+            module.optimizer.zero_grad(set_to_none=True)
+        return metrics
+
+    def _step(self, batch: dict[str, torch.Tensor], update: bool) -> dict[str, float]:
         images, tokens, labels = batch["images"], batch["tokens"], batch["labels"]
         supervised = int((labels != -100).sum())
         size = images.shape[0]
@@ -180,13 +188,19 @@ class VLMTrainer:
         llm = self.modules.get("llm")
         image_grads: list[torch.Tensor | None] = [None] * self.num_microbatches
         losses: list[torch.Tensor] = []
+        hits = torch.zeros(2, dtype=torch.float64)  # correct digit predictions, predictions made
+        positions = None if update else batch["digit_position"]
         if llm is not None:
-            losses, image_grads = self._llm_schedule(llm, transfers, tokens, labels, micro, supervised)
+            losses, image_grads = self._llm_schedule(
+                llm, transfers, tokens, labels, positions, hits, micro, supervised
+            )
         for m in range(self.num_microbatches):
             grad = self.boundary.backward(transfers[m], image_grads[m])
             if vision is not None:
                 image_out[m].backward(grad)
 
+        if not update:
+            return {"loss": self._world_loss(losses)} | self._world_accuracy(hits)
         for module in self.modules.values():
             if module.grad_sync is not None:
                 module.grad_sync.sync(module.model.parameters())
@@ -206,6 +220,8 @@ class VLMTrainer:
         transfers: list,
         tokens: torch.Tensor,
         labels: torch.Tensor,
+        positions: torch.Tensor | None,
+        hits: torch.Tensor,
         micro: int,
         supervised: int,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -220,7 +236,7 @@ class VLMTrainer:
                 embeds = transfers[m].output.detach().requires_grad_()
                 received.append(embeds)
             inputs.append((tokens[span][rows], embeds))
-            targets.append(labels[span][rows])
+            targets.append((labels[span][rows], None if positions is None else positions[span][rows]))
         model = llm.model
 
         def stage(x):
@@ -229,8 +245,15 @@ class VLMTrainer:
                 return model(merge_image_embeddings(model.tok_embeddings(ids), embeds))
             return model(x)
 
-        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return token_loss_sum(logits, target) / supervised
+        def loss_fn(logits: torch.Tensor, target: tuple) -> torch.Tensor:
+            target_labels, digit_positions = target
+            if digit_positions is not None:
+                full = logits.full_tensor() if isinstance(logits, DTensor) else logits  # TP-collective
+                rows = torch.arange(full.shape[0])
+                predicted = full[rows, digit_positions].argmax(-1)
+                hits[0] += (predicted == target_labels[rows, digit_positions]).sum()
+                hits[1] += full.shape[0]
+            return token_loss_sum(logits, target_labels) / supervised
 
         parallel_loss = loss_parallel() if llm.mesh.layout.tp > 1 else contextlib.nullcontext()
         with parallel_loss:
@@ -283,6 +306,13 @@ class VLMTrainer:
             for module in self.modules.values():
                 module.scale_grads(factor)
         return norm
+
+    def _world_accuracy(self, hits: torch.Tensor) -> dict[str, float]:
+        llm = self.modules.get("llm")
+        if llm is None or not llm.mesh.is_last_stage or llm.mesh.coord.tp != 0:
+            hits = torch.zeros_like(hits)  # one reporter per LLM data-parallel replica
+        dist.all_reduce(hits)
+        return {"accuracy": float(hits[0] / hits[1]), "evaluated": float(hits[1])}
 
     def _world_loss(self, losses: list[torch.Tensor]) -> float:
         """The global mean loss, known on every rank: LLM last-stage ranks of tp coordinate 0 sum theirs."""

@@ -1,0 +1,39 @@
+"""Per-module optimizer settings (the ``optim:`` block of a module) and the AdamW they build."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps
+    decay_steps: int = 0  # cosine decay to 10% of lr over this many steps after warmup (0: constant)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for 0-based optimizer step ``step``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay_steps <= 0:
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def build_adamw(model: nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        weight_decay=config.weight_decay,
+        eps=config.eps,
+    )

@@ -1,0 +1,114 @@
+"""Train an experiment's vision-language model on the digits shards: the job ``torchrun`` launches.
+
+    torchrun --nproc_per_node 4 -m hetero.train.run experiment=colocated_vlm [overrides]
+
+Rank 0 prints a progress line (step, loss, tokens/s, step time, bytes per communicator) and, at every
+evaluation, the held-out digit accuracy; it logs the same to wandb (offline unless disabled) and prints
+a summary at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hetero.config import ExperimentConfig, load_experiment, validate
+from hetero.data.digits import DigitBatches, ensure_digit_shards
+from hetero.parallel.mesh import build_module_meshes, init_distributed
+from hetero.train.run_log import RunLog
+from hetero.train.vlm import ModuleSetup, VLMTrainer
+
+
+def evaluate(trainer: VLMTrainer, heldout: DigitBatches) -> float:
+    hits = total = 0.0
+    for batch in heldout.ordered_batches():
+        if batch["images"].shape[0] != heldout.global_batch_size:
+            continue  # a short last batch would not split into the microbatches
+        metrics = trainer.evaluate(batch)
+        hits += metrics["accuracy"] * metrics["evaluated"]
+        total += metrics["evaluated"]
+    return hits / max(total, 1.0)
+
+
+def communicator_bytes(trainer: VLMTrainer) -> dict[str, int]:
+    """Bytes every rank handed to each communicator so far, summed over the world."""
+    names = ["boundary.vision->llm.cross", "boundary.vision->llm.intra"]
+    counters = trainer.boundary.counters()
+    local = [
+        sum(v for k, v in counters.items() if k.endswith("cross_sent_bytes")),
+        sum(v for k, v in counters.items() if k.endswith("intra_sent_bytes")),
+    ]
+    for name in ("vision", "llm"):
+        names.append(f"grad_sync.{name}")
+        module = trainer.modules.get(name)
+        local.append(module.grad_sync.bytes_sent if module and module.grad_sync else 0)
+    totals = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(totals)
+    return {name: int(value) for name, value in zip(names, totals.tolist())}
+
+
+def train(experiment: ExperimentConfig) -> dict[str, float]:
+    placement = validate(experiment)
+    rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
+    meshes = build_module_meshes(placement, experiment.timeout_s)
+    vision, llm = experiment.model_config("vision"), experiment.model_config("llm")
+    cfg = experiment.train
+    if rank == 0:
+        ensure_digit_shards(cfg.data_dir)
+    dist.barrier()
+    data = {
+        split: DigitBatches(
+            cfg.data_dir, split, experiment.batch.global_batch_size, vision.num_patches, llm.seq_len, experiment.seed
+        )
+        for split in ("train", "heldout")
+    }
+    setups = {
+        name: ModuleSetup(module.parallel, module.optim) for name, module in experiment.modules.items()
+    }
+    trainer = VLMTrainer(
+        placement,
+        meshes,
+        vision,
+        llm,
+        num_microbatches=experiment.num_microbatches("llm", placement.layouts["llm"].dp),
+        setups=setups,
+        grad_clip=cfg.grad_clip,
+        seed=experiment.seed,
+        timeout_s=experiment.timeout_s,
+    )
+    log = RunLog(experiment, Path(cfg.run_dir) / experiment.name, enabled=rank == 0)
+    tokens_per_step = experiment.batch.global_batch_size * llm.seq_len
+    started = time.perf_counter()
+    accuracy = float("nan")
+    for step in range(1, cfg.steps + 1):
+        tick = time.perf_counter()
+        metrics = trainer.train_step(data["train"].batch(step - 1))
+        seconds = time.perf_counter() - tick
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            comm = communicator_bytes(trainer)
+            log.progress(step, metrics | {"tokens_per_s": tokens_per_step / seconds, "step_s": seconds}, comm)
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            accuracy = evaluate(trainer, data["heldout"])
+            log.evaluation(step, accuracy, time.perf_counter() - started)
+    summary = {
+        "steps": float(cfg.steps),
+        "final_loss": metrics["loss"],
+        "heldout_digit_accuracy": accuracy,
+        "seconds": time.perf_counter() - started,
+    }
+    log.finish(summary)
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    train(load_experiment("", sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""What a training run reports: a progress line on the console and the same metrics to wandb.
+
+wandb runs offline by default (``train.wandb=offline``) and writes its run directory under the run's
+folder, so no network or account is ever needed; ``train.wandb=disabled`` turns it off. Only one rank
+(rank 0) logs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from hetero.config import ExperimentConfig
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError
+
+
+class RunLog:
+    def __init__(self, experiment: ExperimentConfig, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.wandb: Any = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        print(f"run {experiment.name}: {run_dir}", flush=True)
+        if experiment.train.wandb != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self.wandb = wandb.init(
+                project=experiment.train.wandb_project,
+                name=experiment.name,
+                dir=str(run_dir),
+                mode=experiment.train.wandb,
+                config=asdict(experiment),
+            )
+
+    def progress(self, step: int, metrics: dict[str, float], comm: dict[str, int]) -> None:
+        if not self.enabled:
+            return
+        traffic = " ".join(f"{name}={_bytes(value)}" for name, value in comm.items() if value)
+        print(
+            f"step {step:5d} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:8.0f} tok/s | "
+            f"{metrics['step_s'] * 1e3:7.1f} ms | grad norm {metrics['grad_norm']:.3f} | {traffic}",
+            flush=True,
+        )
+        if self.wandb is not None:
+            self.wandb.log(metrics | {f"bytes/{k}": v for k, v in comm.items()}, step=step)
+
+    def evaluation(self, step: int, accuracy: float, seconds: float) -> None:
+        if not self.enabled:
+            return
+        print(f"step {step:5d} | held-out digit accuracy {accuracy:.3f} | {seconds:.0f} s", flush=True)
+        if self.wandb is not None:
+            self.wandb.log({"heldout/digit_accuracy": accuracy}, step=step)
+
+    def finish(self, summary: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        print("summary: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items()), flush=True)
+        if self.wandb is not None:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
+            print(f"wandb offline run: {self.wandb.dir if hasattr(self.wandb, 'dir') else self.run_dir}", flush=True)

@@ -10,7 +10,11 @@ every W_d placed at d's global positions, and each source rank must get exactly 
 
 Cases run many per ``run_ranks`` call (starting ranks costs seconds): every rank loops over the same
 cases and builds the same boundaries in the same order; problems are collected, not raised, so one
-wrong case does not stall the others.
+wrong case does not stall the others. Every other random case runs with ``async_sends``.
+
+Call orders: with ``async_sends`` the two sides may call in a pipeline's different orders (1F1B), and
+must get the same values and byte counts as waited sends in one order; waited sends in those orders
+deadlock (gloo's sends wait for the receive).
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hetero.parallel.boundary import Boundary, Sharding, Side, TensorSpec
+from hetero.parallel.boundary import Boundary, BoundaryError, Sharding, Side, TensorSpec
 from hetero.parallel.context import zigzag_indices
 from hetero.parallel.layout import Layout
+from hetero.parallel.pipeline import schedule_actions
 from hetero.testing.multiprocess import RankFailure, run_ranks
 
 FLOAT = torch.float32
@@ -50,6 +55,7 @@ class Case:
     single: bool = True  # one tensor (the spec under key "tensor") rather than a dict
     autograd: bool = True  # through boundary(...) and loss.backward(), else forward()/backward()
     exchange_shapes: bool = False
+    async_sends: bool = False  # sends of send-only crossings waited by wait_sends() after each call
 
     @property
     def differentiable(self) -> list[str]:
@@ -164,12 +170,19 @@ def run_cases(rank: int, world_size: int, cases: list[Case], first_id: int) -> d
 def run_case(rank: int, case: Case, case_id: int) -> dict:
     tensors = case.specs["tensor"] if case.single else case.specs
     boundary = Boundary(
-        case.name, case.source, case.destination, tensors, timeout_s=60, exchange_shapes=case.exchange_shapes
+        case.name,
+        case.source,
+        case.destination,
+        tensors,
+        timeout_s=60,
+        exchange_shapes=case.exchange_shapes,
+        async_sends=case.async_sends,
     )
     problems, counters, out_shapes = [], [], []
     for call, shapes in enumerate(case.calls):
         boundary.reset_counters()
         found, received = run_call(rank, boundary, case, case_id, call, shapes)
+        boundary.wait_sends()
         problems += found
         out_shapes.append(received)
         counters.append(boundary.counters())
@@ -472,6 +485,7 @@ def random_case(rng: random.Random, world: int, index: int) -> Case:
         single=single,
         autograd=rng.random() < 0.5,
         exchange_shapes=rng.random() < 0.2,
+        async_sends=index % 2 == 1,  # not drawn from rng: the other draws stay as they were
     )
 
 
@@ -579,6 +593,8 @@ def test_random_cases_cover_every_feature():
         "dict": any(not c.single for c in cases),
         "varying shapes": any(len(c.calls) > 1 for c in cases),
         "exchange shapes": any(c.exchange_shapes for c in cases),
+        "async sends": any(c.async_sends for c in cases),
+        "waited sends": any(not c.async_sends for c in cases),
         "autograd": any(c.autograd for c in cases),
         "explicit calls": any(not c.autograd for c in cases),
         **{
@@ -609,16 +625,25 @@ def pair() -> Boundary:
     return Boundary("v2l", Side(layout([0])), Side(layout([1])), TensorSpec(ndim=3), timeout_s=FAIL_TIMEOUT_S)
 
 
-def shape_mismatch(rank, world_size):
-    boundary = pair()
+def shape_mismatch(rank, world_size, async_sends=False):
+    boundary = Boundary(
+        "v2l",
+        Side(layout([0])),
+        Side(layout([1])),
+        TensorSpec(ndim=3),
+        timeout_s=FAIL_TIMEOUT_S,
+        async_sends=async_sends,
+    )
     x = torch.zeros(4, 6, 8) if rank == 0 else None
     boundary.forward(x, (4, 6, 8) if rank == 0 else (4, 8, 8))
+    boundary.wait_sends()  # with async_sends the headers go out only while the boundary lives
 
 
-def test_mismatched_shape_names_boundary_ranks_and_shapes():
+@pytest.mark.parametrize("async_sends", [False, True])
+def test_mismatched_shape_names_boundary_ranks_and_shapes(async_sends):
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_ranks(shape_mismatch, 2, timeout_s=60)
+        run_ranks(shape_mismatch, 2, async_sends, timeout_s=60)
     assert info.value.rank == 1
     assert (
         "BoundaryError: boundary 'v2l': forward call #1: rank 1 (destination) and rank 0 (source) disagree: "
@@ -732,3 +757,92 @@ def test_missing_call_times_out_on_the_sender():
     )
     assert "Timed out" in info.value.detail
     assert FAIL_TIMEOUT_S <= elapsed < FAIL_TIMEOUT_S + 20
+
+
+# ------------------------------------------------------------------------- call orders, async sends
+
+ORDER_MICROBATCHES = 4
+ORDER_SHAPE = (2, 3)
+
+
+def calls_in_order(rank, world_size, runs):
+    """Each run: (async_sends, schedule, timeout_s). Ranks 0-1 (tp2) are stage 0 of a 2-stage schedule,
+    ranks 2-3 (tp2) stage 1; each side calls the boundary in its stage's order of actions. Both sides
+    are replica pairs, so every round runs: crossing, completion all-gather, reduce-scatter, all-gather.
+    """
+    results = []
+    for async_sends, schedule, timeout_s in runs:
+        boundary = Boundary(
+            "orders",
+            Side(layout([0, 1], tp=2)),
+            Side(layout([2, 3], tp=2)),
+            TensorSpec(ndim=2),
+            timeout_s=timeout_s,
+            async_sends=async_sends,
+        )
+        stage = 0 if boundary.is_source else 1
+        transfers, problems = {}, []
+        for kind, mb in schedule_actions(schedule, stage, 2, ORDER_MICROBATCHES):
+            if kind == "F":
+                sent = global_tensor(0, mb, 0, ORDER_SHAPE, FLOAT)
+                transfers[mb] = boundary.forward(sent if boundary.is_source else None, ORDER_SHAPE)
+                if boundary.is_destination and not torch.equal(transfers[mb].output, sent):
+                    problems.append(f"rank {rank} microbatch {mb}: wrong output")
+                continue
+            grad = weight(0, mb, 0, rank, ORDER_SHAPE, FLOAT) if boundary.is_destination else None
+            got = boundary.backward(transfers.pop(mb), grad)
+            expected = sum(weight(0, mb, 0, r, ORDER_SHAPE, FLOAT) for r in (2, 3))
+            if boundary.is_source and not torch.equal(got, expected):
+                problems.append(f"rank {rank} microbatch {mb}: wrong gradient")
+        boundary.wait_sends()
+        results.append({"problems": problems, "counters": boundary.counters()})
+    return results
+
+
+def test_async_sends_pair_calls_made_in_1f1b_orders():
+    runs = [(False, "gpipe", 60), (True, "gpipe", 60), (True, "1f1b", 60)]
+    per_rank = run_ranks(calls_in_order, 4, runs, timeout_s=RUN_TIMEOUT_S)
+    assert [p for r in per_rank for run in r for p in run["problems"]] == []
+    for rank, by_run in enumerate(per_rank):
+        waited, *asynchronous = [run["counters"] for run in by_run]
+        assert all(counters == waited for counters in asynchronous), rank
+        assert waited["forward.calls"] == waited["backward.calls"] == ORDER_MICROBATCHES
+
+
+def test_waited_sends_deadlock_in_1f1b_orders():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(calls_in_order, 4, [(False, "1f1b", FAIL_TIMEOUT_S)], timeout_s=60)
+    assert "BoundaryError: boundary 'orders'" in info.value.detail and "Timed out" in info.value.detail
+    assert time.monotonic() - start < FAIL_TIMEOUT_S + 30
+
+
+def missing_call_async(rank, world_size):
+    boundary = Boundary(
+        "v2l",
+        Side(layout([0])),
+        Side(layout([1])),
+        TensorSpec(ndim=3),
+        timeout_s=FAIL_TIMEOUT_S,
+        async_sends=True,
+    )
+    if rank == 1:
+        time.sleep(FAIL_TIMEOUT_S + 3)  # alive, but never makes the call
+        return None
+    start = time.monotonic()
+    boundary.forward(torch.zeros(2, 2, 2), (2, 2, 2))
+    posted_s = time.monotonic() - start
+    try:
+        boundary.wait_sends()
+    except BoundaryError as error:
+        return posted_s, str(error)
+    return posted_s, "no error"
+
+
+def test_async_send_to_a_missing_call_fails_at_wait_sends():
+    posted_s, error = run_ranks(missing_call_async, 2, timeout_s=60)[0]
+    assert posted_s < FAIL_TIMEOUT_S
+    assert (
+        "boundary 'v2l': forward call #1: rank 0 (source) failed sending to rank 1 (destination)" in error
+    )
+    assert "Timed out" in error

@@ -71,6 +71,8 @@ def train(rank, world_size, layouts, global_batch, microbatches):
     setups = {name: ModuleSetup(ParallelOptions(), OPTIM[name]) for name in OPTIM}
     trainer = VLMTrainer(placement, meshes, VISION, LLM, num_microbatches=microbatches, setups=setups,
                          grad_clip=CLIP, seed=0)
+    disjoint = not set(placement.layouts["vision"].ranks) & set(placement.layouts["llm"].ranks)
+    assert trainer.graph_pipeline == disjoint  # non-colocated runs one pipeline over the graph
     losses, grads = [], {}
     for step, batch in enumerate(batches(global_batch)):
         losses.append(trainer.train_step(batch)["loss"])
@@ -88,6 +90,8 @@ CASES = {
     "non-colocated vision dp2 (0-1), llm tp2·dp2 (2-5)": (
         {"vision": {"dp": 2}, "llm": {"tp": 2, "dp": 2, "offset": 2}}, 6, 8, 2),
     "mixed vision dp2 (0-1), llm pp2·dp2 (0-3)": ({"vision": {"dp": 2}, "llm": {"pp": 2, "dp": 2}}, 4, 8, 4),
+    "non-colocated graph pipeline vision dp2 (0-1), llm pp2 (2-3)": (
+        {"vision": {"dp": 2}, "llm": {"pp": 2, "offset": 2}}, 4, 8, 4),
     "non-colocated vision dp3 (0-2), llm dp2 (3-4)": (
         {"vision": {"dp": 3}, "llm": {"dp": 2, "offset": 3}}, 5, 12, 2),
 }

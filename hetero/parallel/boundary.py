@@ -40,6 +40,22 @@ at construction, or passed in to share one among boundaries. NCCL ignores tags a
 as a whole, so there a mismatched call is not caught by the headers first: it surfaces as NCCL's own
 error or the timeout (untested: this machine has no GPU).
 
+Asynchronous sends. With ``async_sends=True`` a rank that only sends in a call's crossing round (a
+source-only rank in forward, a destination-only rank in backward) posts the crossing's payloads and
+headers and returns without waiting for them; the handles and their buffers stay with the boundary
+until ``wait_sends()``, which the caller makes once per step (e.g. before the optimizer step) and
+which raises any failed send as a ``BoundaryError``. Receives still block, and rounds that both send
+and receive on a rank (completion among replicas, colocated ranks) still wait. This lets the two
+sides call in different orders, as the stages of a 1F1B pipeline do (the source runs F0 F1 B0 F2 ..,
+the destination F0 B0 F1 B1 ..): with waited sends a source sending F1 while the destination sends
+B0 would deadlock on a transport that does not buffer (gloo's sends wait for the receive, measured).
+NCCL runs a group's operations in order on one stream, so there a posted send can still hold up the
+receives after it; whether 1F1B orders complete on NCCL is untested (no GPU on this machine).
+Until ``wait_sends()`` the source's ``x`` must not be changed in place (its shard may be sent
+straight from it) and the boundary must stay alive (on gloo a dropped handle cancels its send,
+measured). Pairing checks and byte counters are the same either way (bytes are counted when
+the sends are posted).
+
 Bytes are counted per rank and direction, split into cross-module (sent between different processes
 across the boundary), intra-module (completion within replica groups: exactly the bytes each rank
 puts on or takes off the wire, i.e. (n-1)/n of a piece per member for an all-gather of n) and local
@@ -122,6 +138,17 @@ class _Message:
 
 
 @dataclass
+class _PostedSends:
+    """A round of sends posted and not yet waited: its messages keep their buffers alive."""
+
+    direction: Direction
+    call: int
+    started: float
+    messages: list[_Message]
+    works: list[dist.Work]
+
+
+@dataclass
 class _Header:
     """What one call tells its peers: ``call`` has a fixed length on every boundary (magic, digest,
     direction, call number, name), so any boundary's header fits any receiver; ``shapes`` (per
@@ -136,7 +163,8 @@ class Boundary:
     """Moves tensors from the source layout to the destination layout and gradients back.
 
     Construct it on every rank of the world, in the same order as every other boundary and group:
-    it creates its process group there. ``tensors`` is one ``TensorSpec`` or a dict of them.
+    it creates its process group there. ``tensors`` is one ``TensorSpec`` or a dict of them. With
+    ``async_sends=True`` send-only crossings return before delivery: call ``wait_sends()`` once a step.
     """
 
     def __init__(
@@ -151,6 +179,7 @@ class Boundary:
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
         plan_cache_size: int = 64,
+        async_sends: bool = False,
     ) -> None:
         self.name = name
         source, destination = _as_side(source), _as_side(destination)
@@ -166,6 +195,7 @@ class Boundary:
             spec.check(f"boundary {name!r} tensor {key!r}")
         self.timeout_s = timeout_s
         self.exchange_shapes = exchange_shapes
+        self.async_sends = async_sends
         self.device = torch.device(device)
         self.rank = dist.get_rank()
         self.sources = self.source.active_ranks()
@@ -179,6 +209,7 @@ class Boundary:
         self._plans: OrderedDict[tuple, RankPlan] = OrderedDict()
         self._plan_cache_size = plan_cache_size
         self._calls = dict.fromkeys(DIRECTIONS, 0)
+        self._posted: list[_PostedSends] = []
         self._counters: dict[str, int] = {}
         self.reset_counters()
 
@@ -238,6 +269,16 @@ class Boundary:
             return None
         grads = self._as_dict(grad, "grad") if self.is_destination and grad is not None else {}
         return self._unwrap(self._backward(transfer.plan, grads))
+
+    def wait_sends(self) -> None:
+        """Wait for every send posted without waiting (``async_sends``), oldest first, and drop them.
+
+        Raises ``BoundaryError`` naming the call, the direction and the peer of a send that failed.
+        """
+        while self._posted:
+            posted = self._posted.pop(0)
+            for message, work in zip(posted.messages, posted.works):
+                self._wait(work, message, False, posted.direction, posted.call, posted.started)
 
     def counters(self) -> dict[str, int]:
         """This rank's counters, e.g. ``forward.cross_sent_bytes``, summed over calls since the reset."""
@@ -412,7 +453,8 @@ class Boundary:
         """The round across the boundary, with the pairing headers on its links; returns what arrived.
 
         Payload receives are posted together with the header receives, not after the check: their
-        tag encodes the call's signature, so only a matching call's payload can land in them.
+        tag encodes the call's signature, so only a matching call's payload can land in them. With
+        ``async_sends`` a rank that only sends here leaves its sends to ``wait_sends``.
         """
         arriving = {peer: self._buffer(entries) for peer, entries in into.items()}
         sends = [_Message(peer, self._pack(entries, values), "cross", tag) for peer, entries in out.items()]
@@ -420,7 +462,14 @@ class Boundary:
         headers = {peer: self._empty_header() for peer in sorted(header_from)}
         recvs = [m for peer, h in headers.items() for m in self._header_messages(peer, h)]
         recvs += [_Message(peer, buffer, "cross", tag) for peer, buffer in arriving.items()]
-        self._round(direction, call, sends, recvs, lambda m: self._check_header(m, headers[m.peer], header))
+        self._round(
+            direction,
+            call,
+            sends,
+            recvs,
+            lambda m: self._check_header(m, headers[m.peer], header),
+            defer=self.async_sends,
+        )
         return arriving
 
     def _exchange(
@@ -448,23 +497,31 @@ class Boundary:
         sends: list[_Message],
         recvs: list[_Message],
         on_header: Callable[[_Message], None] | None = None,
+        defer: bool = False,
     ) -> None:
-        """Post one round's messages as one batch; each header received goes to ``on_header`` first."""
+        """Post one round's messages as one batch; each header received goes to ``on_header`` first.
+
+        With ``defer``, a round that only sends returns once posted; ``wait_sends`` waits for it.
+        """
         if not sends and not recvs:
             return
         ops = [self._op(dist.isend, m) for m in sends] + [self._op(dist.irecv, m) for m in recvs]
         works = dist.batch_isend_irecv(ops)
         self._count(direction, "rounds", 1)
         started = time.monotonic()
-        posted = list(zip(sends + recvs, [False] * len(sends) + [True] * len(recvs), works))
-        # Call headers first, then shape headers, then the rest: the most telling mismatch is raised.
-        for message, is_recv, work in sorted(posted, key=lambda item: _wait_order(*item[:2])):
-            self._wait(work, message, is_recv, direction, call, started)
-            if is_recv and message.kind == "header" and on_header is not None:
-                on_header(message)
-        for message, is_recv, _ in posted:
-            nbytes = message.buffer.numel() * message.buffer.element_size()
-            self._count(direction, f"{message.kind}_{'recv' if is_recv else 'sent'}_bytes", nbytes)
+        if defer and not recvs:
+            self._posted.append(_PostedSends(direction, call, started, sends, works))
+        else:
+            posted = list(zip(sends + recvs, [False] * len(sends) + [True] * len(recvs), works))
+            # Call headers first, then shape headers, then the rest: the most telling mismatch is raised.
+            for message, is_recv, work in sorted(posted, key=lambda item: _wait_order(*item[:2])):
+                self._wait(work, message, is_recv, direction, call, started)
+                if is_recv and message.kind == "header" and on_header is not None:
+                    on_header(message)
+        for messages, side in ((sends, "sent"), (recvs, "recv")):
+            for message in messages:
+                nbytes = message.buffer.numel() * message.buffer.element_size()
+                self._count(direction, f"{message.kind}_{side}_bytes", nbytes)
 
     def _header_messages(self, peer: int, header: _Header) -> list[_Message]:
         return [

@@ -1,6 +1,10 @@
 """Train a vision encoder and an LLM, each under its own layout, joined by a boundary communicator.
 
-One step, on every rank, in one order (DESIGN §4), for colocated, non-colocated and mixed placements:
+Non-colocated placements (the encoder's ranks disjoint from all of the LLM's) run one pipeline over
+the module graph: the encoder is stage 0, the LLM's stages follow, and the boundary is the link between
+stage 0 and the LLM's first stage (``boundary_transport``), under the LLM's schedule (1F1B by default),
+so encoder and LLM ranks work at the same time. Colocated and mixed placements share ranks between the
+modules, so they run in phases, on every rank in one order (DESIGN §4):
 
 1. vision ranks: encoder forward for every microbatch (graphs kept);
 2. every rank: the boundary moves each microbatch's image embeddings into the LLM's layout;
@@ -12,8 +16,9 @@ One step, on every rank, in one order (DESIGN §4), for colocated, non-colocated
    across the world, and each module's optimizer step — or a skipped step everywhere if any gradient
    is not finite.
 
-Boundary calls come in the same order on both sides (all forwards, then all backwards), so they pair
-without depending on buffered sends. Each microbatch loss is a token-loss sum divided by the global
+In the phased schedule boundary calls come in the same order on both sides (all forwards, then all
+backwards), so they pair without depending on buffered sends; in the graph pipeline the boundary posts
+its sends asynchronously, as P2P stages do. Each microbatch loss is a token-loss sum divided by the global
 count of supervised tokens, so gradients summed over each module's replicas are exact whatever the
 modules' DP degrees. Every rank receives the same global batch and takes its own rows.
 """
@@ -39,6 +44,7 @@ from hetero.models.vision import VisionEncoder, ViTConfig
 from hetero.models.vision_parallelize import parallelize_vision
 from hetero.parallel.boundary import Boundary, Side, TensorSpec
 from hetero.parallel.boundary_plan import Sharding
+from hetero.parallel.boundary_transport import BoundaryReceiver, BoundarySender, LinkedTransport
 from hetero.parallel.data import AllReduceGradSync, local_grad
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
@@ -126,6 +132,7 @@ class VLMTrainer:
                 f"{setups['llm'].options.sequence_parallel})"
             )
         self.placement = placement
+        self.setups = setups
         self.vision_config, self.llm_config = vision_config, llm_config
         self.num_microbatches = num_microbatches
         self.grad_clip = grad_clip
@@ -139,6 +146,7 @@ class VLMTrainer:
             torch.manual_seed(seed + 1)
             model = parallelize_gpt(GPT(llm_config), meshes["llm"], setups["llm"].options)
             self.modules["llm"] = ModuleRuntime("llm", model, meshes["llm"], setups["llm"])
+        self.graph_pipeline = not set(placement.layouts["vision"].ranks) & set(llm_layout.ranks)
         # Built on every rank, in the same order, whether or not this rank takes part.
         self.boundary = Boundary(
             "vision->llm",
@@ -146,6 +154,7 @@ class VLMTrainer:
             Side(llm_layout),
             TensorSpec(ndim=3, source=_image_sharding(), destination=_image_sharding()),
             timeout_s=timeout_s,
+            async_sends=self.graph_pipeline,
         )
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -175,30 +184,12 @@ class VLMTrainer:
         for module in self.modules.values():
             module.optimizer.zero_grad(set_to_none=True)
 
-        vision = self.modules.get("vision")
-        image_out = []
-        if vision is not None:
-            for m in range(self.num_microbatches):
-                rows = vision.rows(micro)
-                image_out.append(vision.model(images[m * micro : (m + 1) * micro][rows]))
-        transfers = [
-            self.boundary.forward(image_out[m].detach() if image_out else None, shape)
-            for m in range(self.num_microbatches)
-        ]
-        llm = self.modules.get("llm")
-        image_grads: list[torch.Tensor | None] = [None] * self.num_microbatches
-        losses: list[torch.Tensor] = []
         hits = torch.zeros(2, dtype=torch.float64)  # correct digit predictions, predictions made
         positions = None if update else batch["digit_position"]
-        if llm is not None:
-            losses, image_grads = self._llm_schedule(
-                llm, transfers, tokens, labels, positions, hits, micro, supervised
-            )
-        for m in range(self.num_microbatches):
-            grad = self.boundary.backward(transfers[m], image_grads[m])
-            if vision is not None:
-                image_out[m].backward(grad)
-
+        if self.graph_pipeline:
+            losses = self._graph_schedule(images, tokens, labels, positions, hits, micro, shape, supervised)
+        else:
+            losses = self._phased_schedule(images, tokens, labels, positions, hits, micro, shape, supervised)
         if not update:
             return {"loss": self._world_loss(losses)} | self._world_accuracy(hits)
         for module in self.modules.values():
@@ -214,35 +205,92 @@ class VLMTrainer:
         self.step += 1
         return {"loss": self._world_loss(losses), "grad_norm": grad_norm, "stepped": float(stepped)}
 
+    def _graph_schedule(self, images, tokens, labels, positions, hits, micro, shape, supervised):
+        """One pipeline over the graph: the encoder as stage 0, then the LLM's stages."""
+        vision, llm = self.modules.get("vision"), self.modules.get("llm")
+        stages = 1 + self.placement.layouts["llm"].pp
+        if vision is not None:
+            rows = vision.rows(micro)
+            inputs = [images[m * micro : (m + 1) * micro][rows] for m in range(self.num_microbatches)]
+            transport = LinkedTransport(None, BoundarySender(self.boundary, shape))
+            run_pipeline(
+                PipelineStage(vision.model, 0, stages, transport),
+                self.placement_schedule(),
+                self.num_microbatches,
+                inputs,
+                None,
+                _no_loss,
+            )
+            return []
+        assert llm is not None
+        return self._llm_schedule(llm, None, tokens, labels, positions, hits, micro, supervised, shape)[0]
+
+    def placement_schedule(self) -> str:
+        """The graph pipeline runs the LLM's schedule on every stage, the encoder's included."""
+        return self.setups["llm"].options.pipeline_schedule
+
+    def _phased_schedule(self, images, tokens, labels, positions, hits, micro, shape, supervised):
+        vision = self.modules.get("vision")
+        image_out = []
+        if vision is not None:
+            for m in range(self.num_microbatches):
+                rows = vision.rows(micro)
+                image_out.append(vision.model(images[m * micro : (m + 1) * micro][rows]))
+        transfers = [
+            self.boundary.forward(image_out[m].detach() if image_out else None, shape)
+            for m in range(self.num_microbatches)
+        ]
+        llm = self.modules.get("llm")
+        image_grads: list[torch.Tensor | None] = [None] * self.num_microbatches
+        losses: list[torch.Tensor] = []
+        if llm is not None:
+            losses, image_grads = self._llm_schedule(
+                llm, transfers, tokens, labels, positions, hits, micro, supervised, shape
+            )
+        for m in range(self.num_microbatches):
+            grad = self.boundary.backward(transfers[m], image_grads[m])
+            if vision is not None:
+                image_out[m].backward(grad)
+        return losses
+
     def _llm_schedule(
         self,
         llm: ModuleRuntime,
-        transfers: list,
+        transfers: list | None,
         tokens: torch.Tensor,
         labels: torch.Tensor,
         positions: torch.Tensor | None,
         hits: torch.Tensor,
         micro: int,
         supervised: int,
+        shape: tuple[int, ...],
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The LLM's part of a step. ``transfers`` holds the image embeddings already delivered (phased
+        schedule); None means they arrive through the graph pipeline's boundary link."""
         rows = llm.rows(micro)
+        layout, coord = llm.mesh.layout, llm.mesh.coord
         first, last = llm.mesh.is_first_stage, llm.mesh.is_last_stage
+        graph = transfers is None
+        spans = [slice(m * micro, (m + 1) * micro) for m in range(self.num_microbatches)]
         received = []
-        inputs, targets = [], []
-        for m in range(self.num_microbatches):
-            span = slice(m * micro, (m + 1) * micro)
-            embeds = None
-            if first:
-                embeds = transfers[m].output.detach().requires_grad_()
+        inputs: list = []
+        if first and not graph:
+            for m, span in enumerate(spans):
+                embeds = transfers[m].output.detach().requires_grad_()  # type: ignore[index]
                 received.append(embeds)
-            inputs.append((tokens[span][rows], embeds))
-            targets.append((labels[span][rows], None if positions is None else positions[span][rows]))
+                inputs.append((tokens[span][rows], embeds))
+        targets = [(labels[span][rows], None if positions is None else positions[span][rows]) for span in spans]
         model = llm.model
+        # In the graph pipeline the first LLM stage receives only the embeddings; forwards run in
+        # microbatch order in every schedule, so the token ids are taken in that order.
+        graph_tokens = iter([tokens[span][rows] for span in spans])
 
         def stage(x):
-            if isinstance(x, tuple):  # the first stage: token ids plus this microbatch's image embeddings
+            if isinstance(x, tuple):  # phased: token ids plus this microbatch's image embeddings
                 ids, embeds = x
                 return model(merge_image_embeddings(model.tok_embeddings(ids), embeds))
+            if graph and first:
+                return model(merge_image_embeddings(model.tok_embeddings(next(graph_tokens)), x))
             return model(x)
 
         def loss_fn(logits: torch.Tensor, target: tuple) -> torch.Tensor:
@@ -255,21 +303,27 @@ class VLMTrainer:
                 hits[1] += full.shape[0]
             return token_loss_sum(logits, target_labels) / supervised
 
-        parallel_loss = loss_parallel() if llm.mesh.layout.tp > 1 else contextlib.nullcontext()
+        parallel_loss = loss_parallel() if layout.tp > 1 else contextlib.nullcontext()
         with parallel_loss:
-            if llm.mesh.layout.pp > 1:
-                layout, coord = llm.mesh.layout, llm.mesh.coord
-                prev_rank = layout.rank_at(coord._replace(pp=coord.pp - 1)) if coord.pp > 0 else None
-                next_rank = layout.rank_at(coord._replace(pp=coord.pp + 1)) if not last else None
-                local_rows = rows.stop - rows.start
-                transport = P2PTransport(
-                    prev_rank, next_rank, (local_rows, tokens.shape[1], self.llm_config.hidden_size), torch.float32
-                )
+            if layout.pp > 1 or graph:
+                offset = 1 if graph else 0  # the encoder is stage 0 of the graph pipeline
+                activation = (rows.stop - rows.start, tokens.shape[1], self.llm_config.hidden_size)
+                prev_link = None
+                if coord.pp > 0:
+                    prev_rank = layout.rank_at(coord._replace(pp=coord.pp - 1))
+                    prev_link = P2PTransport(prev_rank, None, activation, torch.float32)
+                elif graph:
+                    prev_link = BoundaryReceiver(self.boundary, shape)
+                next_link = None
+                if not last:
+                    next_rank = layout.rank_at(coord._replace(pp=coord.pp + 1))
+                    next_link = P2PTransport(None, next_rank, activation, torch.float32)
                 losses = run_pipeline(
-                    PipelineStage(_Callable(stage), coord.pp, layout.pp, transport),
+                    PipelineStage(_Callable(stage), offset + coord.pp, offset + layout.pp,
+                                  LinkedTransport(prev_link, next_link)),
                     llm.setup.options.pipeline_schedule,
                     self.num_microbatches,
-                    inputs if first else None,
+                    inputs if first and not graph else None,
                     targets if last else None,
                     loss_fn,
                 )
@@ -281,9 +335,8 @@ class VLMTrainer:
                     losses.append(loss.detach())
         # Under TP every replica of the LLM's first stage already holds the full gradient of the image
         # embeddings (the column-parallel layers all-reduce it); the boundary sums destination replicas,
-        # so each hands in its share.
-        tp = llm.mesh.layout.tp
-        grads = [e.grad / tp if e.grad is not None else torch.zeros_like(e) for e in received] if first else []
+        # so each hands in its share (BoundaryReceiver does the same in the graph pipeline).
+        grads = [e.grad / layout.tp if e.grad is not None else torch.zeros_like(e) for e in received]
         return losses, grads or [None] * self.num_microbatches
 
     def _clip_world_wide(self) -> float:
@@ -325,6 +378,10 @@ class VLMTrainer:
                 total += sum(values, torch.zeros((), dtype=torch.float64))
         dist.all_reduce(total)
         return float(total)
+
+
+def _no_loss(output: torch.Tensor, target: object) -> torch.Tensor:
+    raise AssertionError("the encoder is never the last stage of the graph pipeline")
 
 
 class _Callable(nn.Module):

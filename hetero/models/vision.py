@@ -133,7 +133,7 @@ class VisionEncoder(nn.Module):
     """ViT (patch embedding, class token, learned positions, pre-norm blocks) and an MLP projector.
 
     ``forward(images)`` returns (batch, num_patches, out_size): the features of block ``feature_layer``
-    with the class token dropped, projected (Linear-GELU-Linear) into the LLM's width.
+    with the class token dropped, normalized, and projected (Linear-GELU-Linear) into the LLM's width.
     """
 
     def __init__(self, config: ViTConfig):
@@ -145,6 +145,10 @@ class VisionEncoder(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, config.seq_len, config.hidden_size))
         used = config.feature_layer % config.num_layers + 1  # blocks after the feature layer never run
         self.layers = nn.ModuleDict({str(i): EncoderBlock(config) for i in range(used)})
+        # Pre-norm blocks leave the residual stream at the scale of the small initial weights; the
+        # norm hands the projector unit-scale features, so image embeddings reach the LLM at the
+        # scale of its token embeddings instead of vanishing under its RMSNorm epsilon.
+        self.feature_norm = nn.LayerNorm(config.hidden_size)
         self.proj_in = nn.Linear(config.hidden_size, config.out_size)
         self.proj_out = nn.Linear(config.out_size, config.out_size)
         self.reset_parameters()
@@ -170,4 +174,4 @@ class VisionEncoder(nn.Module):
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
         for block in self.layers.values():
             x = block(x)
-        return self.proj_out(F.gelu(self.proj_in(x[:, 1:])))
+        return self.proj_out(F.gelu(self.proj_in(self.feature_norm(x[:, 1:]))))

@@ -6,7 +6,6 @@ with a ``GradSync``.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -17,8 +16,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hetero.models.gpt import GPT
+from hetero.parallel.blocks import wrap_blocks
 from hetero.parallel.context import ContextParallelAttention
-from hetero.parallel.fsdp import apply_fsdp
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 
@@ -89,9 +88,5 @@ def parallelize_gpt(model: GPT, mesh: ModuleMesh, options: ParallelOptions) -> G
     if layout.cp > 1:
         for block in model.layers.values():
             block.attention.core = ContextParallelAttention(mesh.group("cp"), layout.cp, coord.cp)
-    if options.activation_checkpointing:
-        for name in list(model.layers):
-            model.layers[name] = checkpoint_wrapper(model.layers[name])
-    if options.fsdp:
-        apply_fsdp(model, model.layers.values(), mesh)
+    wrap_blocks(model, model.layers, mesh, options)
     return model

@@ -6,11 +6,10 @@ inputs are bounded, so it runs with cp=1 and pp=1 (the config check says so).
 
 from __future__ import annotations
 
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hetero.models.vision import VisionEncoder
-from hetero.parallel.fsdp import apply_fsdp
+from hetero.parallel.blocks import wrap_blocks
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 
@@ -32,9 +31,5 @@ def parallelize_vision(model: VisionEncoder, mesh: ModuleMesh, options: Parallel
                 },
             )
         parallelize_module(model, tp_mesh, {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})
-    if options.activation_checkpointing:
-        for name in list(model.layers):
-            model.layers[name] = checkpoint_wrapper(model.layers[name])
-    if options.fsdp:
-        apply_fsdp(model, model.layers.values(), mesh)
+    wrap_blocks(model, model.layers, mesh, options)
     return model

@@ -44,6 +44,7 @@ def _train(args: argparse.Namespace) -> int:
 
 BENCHMARKS = {
     "boundary": "hetero.bench.boundary",
+    "compression": "hetero.bench.compression",
     "overhead": "hetero.bench.overhead",
     "vlm": "hetero.bench.vlm",
 }

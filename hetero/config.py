@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hetero.errors import ConfigError
 from hetero.models import MODEL_CONFIGS
+from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.placement import Placement, place
@@ -55,6 +56,7 @@ class ModuleConfig:
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     micro_batch_size: int | None = None
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
 
 @dataclass
@@ -212,6 +214,7 @@ def validate(experiment: ExperimentConfig) -> Placement:
     for name, module in experiment.modules.items():
         errors += experiment.model_config(name).errors(name, placement.layouts[name], module.parallel)
         errors += module.parallel.errors(name)
+        errors += module.compression.errors(name, placement.layouts[name].cp, module.parallel.fsdp)
     batch = experiment.batch
     if batch.global_batch_size < 1 or batch.micro_batch_size < 1:
         errors.append(

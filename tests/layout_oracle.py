@@ -4,6 +4,8 @@ Megatron order: tp varies fastest, then cp, then dp, then pp. Ranks are the expl
 degrees' product (or the rest of the world when dp is unset) starting at the offset.
 """
 
+from pathlib import Path
+
 import yaml
 
 
@@ -35,5 +37,22 @@ def grid_coords(layout: dict, world_size: int) -> dict[int, dict[str, int]]:
 
 def modules_of_yaml(path) -> tuple[dict[str, dict], int]:
     """The module entries (top-level mappings with a kind) and world_size of an experiment YAML."""
-    raw = yaml.safe_load(open(path))
+    raw = _with_parents(Path(path))
     return {k: v for k, v in raw.items() if isinstance(v, dict) and "kind" in v}, raw["world_size"]
+
+
+def _with_parents(path: Path) -> dict:
+    """The YAML merged over the sibling experiments its ``defaults`` list names (``/hetero/...`` schemas skipped)."""
+    raw = yaml.safe_load(open(path))
+    merged: dict = {}
+    for parent in raw.pop("defaults", []):
+        if isinstance(parent, str) and not parent.startswith("/"):
+            merged = _merge(merged, _with_parents(path.with_name(f"{parent}.yaml")))
+    return _merge(merged, raw)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

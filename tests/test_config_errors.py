@@ -177,6 +177,34 @@ CASES = {
         both(setter("llm.layout", {"pp": 2, "dp": 2}), setter("llm.model.tie_embeddings", True)),
         r"llm\.model\.tie_embeddings=true needs the embedding and the output layer on one pipeline stage",
     ),
+    "unknown compression method": (
+        setter("vision.compression", {"grad": {"method": "int2"}}),
+        r"vision\.compression\.grad\.method='int2' is not one of none, topk, randomk, int8, int4, powersgd",
+    ),
+    "top-k ratio out of range": (
+        setter("vision.compression", {"grad": {"method": "topk", "ratio": 1.5}}),
+        r"vision\.compression\.grad\.ratio=1\.5 must be in \(0, 1\]",
+    ),
+    "DiLoCo together with a compressed per-step sync": (
+        setter("vision.compression", {"grad": {"method": "int8"}, "diloco": {"inner_steps": 8}}),
+        r"vision\.compression: diloco replaces the per-step gradient sync; set grad\.method=none",
+    ),
+    "DiLoCo fragments that do not divide the inner steps": (
+        setter("vision.compression", {"diloco": {"inner_steps": 10, "fragments": 3}}),
+        r"vision\.compression\.diloco\.fragments=3 must be at least 1 and divide inner_steps=10",
+    ),
+    "DiLoCo with context parallelism": (
+        both(setter("llm.layout", {"cp": 2, "dp": 2}), setter("llm.compression", {"diloco": {"inner_steps": 8}})),
+        r"llm\.compression\.diloco needs cp=1 .* got llm\.layout\.cp=2",
+    ),
+    "compression with FSDP": (
+        both(setter("vision.parallel", {"fsdp": True}), setter("vision.compression", {"grad": {"method": "int4"}})),
+        r"vision\.parallel\.fsdp=true reduce-scatters gradients itself; compression needs the DP gradient sync",
+    ),
+    "misspelled compression field": (
+        setter("vision.compression", {"grad": {"methods": "int4"}}),
+        r"vision\.compression\.grad\.methods: Key 'methods' not in 'CompressorConfig'",
+    ),
     "stray top-level key": (
         setter("batchsize", 4),
         r"top-level key 'batchsize' is neither an experiment field",

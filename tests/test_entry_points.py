@@ -25,3 +25,17 @@ def test_boundary_benchmark_passes_its_checks():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(verdicts) == 4 and all(v.startswith("PASS") for v in verdicts)
+
+
+def test_compression_benchmark_prints_bytes_and_losses():
+    done = subprocess.run(
+        ["hetero", "bench", "compression", "--tasks", "text", "--seeds", "0", "1", "--steps", "32",
+         "--methods", "int4 + EF"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line[:34].strip(): line.split() for line in done.stdout.splitlines()
+            if " ± " in line and not line.startswith("method")}
+    assert set(rows) == {"fp32 all-reduce", "int4 + EF"}
+    fewer = float(rows["int4 + EF"][-8])  # ... fewer, loss, ±, std, gap, gap/std, accuracy, EF residual
+    assert 7 < fewer < 8  # 4-bit codes plus one bf16 scale per 64 entries: 32/4.25 = 7.53

@@ -3,7 +3,6 @@ accuracy, a summary, and a wandb offline run directory with the logged metrics."
 
 import subprocess
 import sys
-from pathlib import Path
 
 
 def test_hetero_train_runs_the_colocated_vlm(tmp_path):
@@ -35,3 +34,22 @@ def test_hetero_train_refuses_a_bad_override_before_starting(tmp_path):
     )
     assert done.returncode == 2
     assert "llm.layout" in done.stderr
+
+
+def test_hetero_train_runs_a_compression_policy_per_module(tmp_path):
+    """compressed_vlm: int8 + error feedback for the encoder, DiLoCo with int4 pseudo-gradients for the LLM
+    (here H=2, so rounds happen within the 4 steps, on the LLM's tp2·dp2 DTensor shards)."""
+    overrides = [
+        "train.steps=4", "train.log_every=2", "train.eval_every=0", "train.wandb=disabled",
+        "llm.compression.diloco.inner_steps=2",
+        f"train.data_dir={tmp_path / 'digits'}", f"train.run_dir={tmp_path / 'runs'}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "hetero.cli", "train", "compressed_vlm", *overrides],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step     4 | loss")]
+    assert len(lines) == 1
+    assert "ef_residual.vision=" in lines[0]  # int8 with error feedback keeps a residual
+    assert "grad_sync.vision=" in lines[0] and "grad_sync.llm=" in lines[0]

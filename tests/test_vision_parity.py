@@ -42,7 +42,7 @@ def run(rank, world_size, layout_kwargs, options):
     out = model(images[rows])
     ((out * weight[rows]).sum() / BATCH).backward()
     if mesh.layout.dp > 1 and not options.fsdp:
-        AllReduceGradSync(mesh.group("dp")).sync(model.parameters())
+        AllReduceGradSync(model.named_parameters(), mesh.group("dp")).sync()
     grads = {}
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

@@ -35,7 +35,7 @@ def measure(rank: int, world_size: int, name: str, steps: int, warmup: int) -> f
     trainer = VLMTrainer(
         placement, meshes, vision, llm,
         num_microbatches=experiment.num_microbatches("llm", placement.layouts["llm"].dp),
-        setups={n: ModuleSetup(m.parallel, m.optim) for n, m in experiment.modules.items()},
+        setups={n: ModuleSetup(m.parallel, m.optim, m.compression) for n, m in experiment.modules.items()},
         grad_clip=experiment.train.grad_clip, seed=experiment.seed,
     )
     times = []

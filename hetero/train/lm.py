@@ -20,10 +20,12 @@ from hetero.errors import ConfigError
 from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
 from hetero.models.gpt_parallelize import parallelize_gpt
 from hetero.parallel.context import split_for_cp, zigzag_indices
-from hetero.parallel.data import AllReduceGradSync, GradSync
+from hetero.parallel.compression.collective import Collective
+from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.pipeline import P2PTransport, PipelineStage, run_pipeline
+from hetero.parallel.replica_sync import ReplicaSync
 from hetero.train.optim import OptimizerConfig, build_adamw
 
 
@@ -51,8 +53,10 @@ class LMTrainer:
         micro_batch_size: int,
         options: ParallelOptions | None = None,
         optimizer: OptimizerConfig | None = None,
+        compression: CompressionConfig | None = None,
         seed: int = 0,
         device: torch.device | str = "cpu",
+        outer_comm: Collective | None = None,
     ):
         self.config = config
         self.mesh = mesh
@@ -63,6 +67,8 @@ class LMTrainer:
         errors = self.options.errors(name)
         if mesh is not None:
             errors += config.errors(name, mesh.layout, self.options)
+        if compression is not None:
+            errors += compression.errors(name, self._degree("cp"), self.options.fsdp)
         if errors:
             raise ConfigError("\n".join(errors))
         torch.manual_seed(seed)  # every rank builds the same full model, then keeps its shard
@@ -71,10 +77,8 @@ class LMTrainer:
         opt = self.optimizer_config = optimizer or OptimizerConfig()
         self.step = 0
         self.optimizer = build_adamw(self.model, opt)
-        self.grad_sync: GradSync | None = None
         self.replicas = 1 if mesh is None else mesh.layout.dp * mesh.layout.cp
-        if self.replicas > 1 and not self.options.fsdp:
-            self.grad_sync = AllReduceGradSync(mesh.group("dp_cp"), int(self.options.grad_bucket_mb * 2**20))
+        self.replica_sync = ReplicaSync(self.model, mesh, self.options, compression, seed, outer_comm)
 
     def _degree(self, axis: str) -> int:
         return 1 if self.mesh is None else getattr(self.mesh.layout, axis)
@@ -130,13 +134,28 @@ class LMTrainer:
                     loss = loss_fn(stage_forward(x), y)
                     loss.backward()
                     losses.append(loss.detach())
-        if self.grad_sync is not None:
-            self.grad_sync.sync(self.model.parameters())
+        self.replica_sync.before_step()
         for group in self.optimizer.param_groups:
             group["lr"] = self.optimizer_config.lr_at(self.step)
         self.optimizer.step()
+        self.replica_sync.after_step()
         self.step += 1
         return self._global_loss(losses)
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs on this rank: weights, optimizer, step, replica-sync buffers."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "replica_sync": self.replica_sync.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.replica_sync.load_state_dict(state["replica_sync"])
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:

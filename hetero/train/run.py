@@ -45,10 +45,19 @@ def communicator_bytes(trainer: VLMTrainer) -> dict[str, int]:
     for name in ("vision", "llm"):
         names.append(f"grad_sync.{name}")
         module = trainer.modules.get(name)
-        local.append(module.grad_sync.bytes_sent if module and module.grad_sync else 0)
+        local.append(module.replica_sync.bytes_sent if module else 0)
     totals = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(totals)
     return {name: int(value) for name, value in zip(names, totals.tolist())}
+
+
+def residual_norms(trainer: VLMTrainer) -> dict[str, float]:
+    """Each module's error-feedback residual norm, the largest over its replicas (0 without one)."""
+    names = list(trainer.placement.layouts)
+    local = torch.tensor([trainer.modules[n].replica_sync.residual_norm() if n in trainer.modules else 0.0
+                          for n in names], dtype=torch.float64)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return {f"ef_residual.{n}": float(v) for n, v in zip(names, local.tolist())}
 
 
 def train(experiment: ExperimentConfig) -> dict[str, float]:
@@ -67,7 +76,7 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
         for split in ("train", "heldout")
     }
     setups = {
-        name: ModuleSetup(module.parallel, module.optim) for name, module in experiment.modules.items()
+        name: ModuleSetup(module.parallel, module.optim, module.compression) for name, module in experiment.modules.items()
     }
     trainer = VLMTrainer(
         placement,
@@ -90,7 +99,8 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
         seconds = time.perf_counter() - tick
         if step % cfg.log_every == 0 or step == cfg.steps:
             comm = communicator_bytes(trainer)
-            log.progress(step, metrics | {"tokens_per_s": tokens_per_step / seconds, "step_s": seconds}, comm)
+            speed = {"tokens_per_s": tokens_per_step / seconds, "step_s": seconds}
+            log.progress(step, metrics | speed | residual_norms(trainer), comm)
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             accuracy = evaluate(trainer, data["heldout"])
             log.evaluation(step, accuracy, time.perf_counter() - started)

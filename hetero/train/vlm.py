@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,11 +45,13 @@ from hetero.models.vision_parallelize import parallelize_vision
 from hetero.parallel.boundary import Boundary, Side, TensorSpec
 from hetero.parallel.boundary_plan import Sharding
 from hetero.parallel.boundary_transport import BoundaryReceiver, BoundarySender, LinkedTransport
-from hetero.parallel.data import AllReduceGradSync, local_grad
+from hetero.parallel.compression.config import CompressionConfig
+from hetero.parallel.data import local_grad
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.pipeline import P2PTransport, PipelineStage, run_pipeline
 from hetero.parallel.placement import Placement
+from hetero.parallel.replica_sync import ReplicaSync
 from hetero.train.optim import OptimizerConfig, build_adamw
 
 
@@ -59,20 +61,16 @@ class ModuleSetup:
 
     options: ParallelOptions
     optimizer: OptimizerConfig
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
 
 class ModuleRuntime:
-    """One module on this rank: its parallelized model, optimizer and gradient sync."""
+    """One module on this rank: its parallelized model, optimizer and replica sync."""
 
-    def __init__(self, name: str, model: nn.Module, mesh: ModuleMesh, setup: ModuleSetup):
+    def __init__(self, name: str, model: nn.Module, mesh: ModuleMesh, setup: ModuleSetup, seed: int):
         self.name, self.model, self.mesh, self.setup = name, model, mesh, setup
         self.optimizer = build_adamw(model, setup.optimizer)
-        replicas = mesh.layout.dp * mesh.layout.cp
-        self.grad_sync = (
-            AllReduceGradSync(mesh.group("dp_cp"), int(setup.options.grad_bucket_mb * 2**20))
-            if replicas > 1 and not setup.options.fsdp
-            else None
-        )
+        self.replica_sync = ReplicaSync(model, mesh, setup.options, setup.compression, seed)
 
     def rows(self, batch_size: int) -> slice:
         """This rank's contiguous rows of a microbatch (by the module's own DP coordinate)."""
@@ -141,11 +139,11 @@ class VLMTrainer:
         if "vision" in meshes:
             torch.manual_seed(seed)  # the same seeds as the single-process VisionLanguageModel
             model = parallelize_vision(VisionEncoder(vision_config), meshes["vision"], setups["vision"].options)
-            self.modules["vision"] = ModuleRuntime("vision", model, meshes["vision"], setups["vision"])
+            self.modules["vision"] = ModuleRuntime("vision", model, meshes["vision"], setups["vision"], seed)
         if "llm" in meshes:
             torch.manual_seed(seed + 1)
             model = parallelize_gpt(GPT(llm_config), meshes["llm"], setups["llm"].options)
-            self.modules["llm"] = ModuleRuntime("llm", model, meshes["llm"], setups["llm"])
+            self.modules["llm"] = ModuleRuntime("llm", model, meshes["llm"], setups["llm"], seed)
         self.graph_pipeline = not set(placement.layouts["vision"].ranks) & set(llm_layout.ranks)
         # Built on every rank, in the same order, whether or not this rank takes part.
         self.boundary = Boundary(
@@ -193,8 +191,7 @@ class VLMTrainer:
         if not update:
             return {"loss": self._world_loss(losses)} | self._world_accuracy(hits)
         for module in self.modules.values():
-            if module.grad_sync is not None:
-                module.grad_sync.sync(module.model.parameters())
+            module.replica_sync.before_step()
         grad_norm = self._clip_world_wide()
         stepped = math.isfinite(grad_norm)
         if stepped:
@@ -202,6 +199,7 @@ class VLMTrainer:
                 for group in module.optimizer.param_groups:
                     group["lr"] = module.setup.optimizer.lr_at(self.step)
                 module.optimizer.step()
+                module.replica_sync.after_step()
         self.step += 1
         return {"loss": self._world_loss(losses), "grad_norm": grad_norm, "stepped": float(stepped)}
 
@@ -346,7 +344,8 @@ class VLMTrainer:
         for i, name in enumerate(names):
             if name in self.modules:
                 squares[i] = self.modules[name].squared_grad_norm()
-        # Every rank of a module holds the same value and the others hold 0: MAX agrees world-wide.
+        # Every rank of a module holds the same value and the others hold 0: MAX agrees world-wide. (Under
+        # DiLoCo a module's replicas hold different local gradients; MAX then takes the largest norm.)
         nonfinite = (~torch.isfinite(squares)).to(torch.float64)
         squares = torch.nan_to_num(squares, nan=0.0, posinf=0.0)
         dist.all_reduce(squares, op=dist.ReduceOp.MAX)

@@ -1,0 +1,58 @@
+"""From a module's ``compression:`` block to the object that moves its gradients or pseudo-gradients."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from torch import nn
+
+from hetero.parallel.compression.codecs import BlockQuant, Codec, RandomK, TopK
+from hetero.parallel.compression.collective import Collective
+from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
+from hetero.parallel.compression.diloco import DiLoCo
+from hetero.parallel.compression.grad_sync import CompressedGradSync
+from hetero.parallel.compression.powersgd import PowerSGDGradSync
+from hetero.parallel.data import AllReduceGradSync, GradSync
+
+
+def build_codec(config: CompressorConfig, seed: int = 0) -> Codec | None:
+    """The codec of ``config.method`` (None for plain fp32 sums; PowerSGD is a sync of its own)."""
+    if config.method == "topk":
+        return TopK(config.ratio, config.segment)
+    if config.method == "randomk":
+        return RandomK(config.ratio, seed)
+    if config.method in ("int8", "int4"):
+        return BlockQuant(int(config.method[3:]), config.block_size)
+    if config.method in ("none", "powersgd"):
+        return None
+    raise ValueError(f"unknown compression method {config.method!r}")
+
+
+def build_grad_sync(
+    config: CompressorConfig,
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    comm: Collective,
+    bucket_bytes: int,
+    seed: int = 0,
+) -> GradSync:
+    if config.method == "none":
+        return AllReduceGradSync(named_params, comm, bucket_bytes)
+    if config.method == "powersgd":
+        return PowerSGDGradSync(named_params, comm, config.rank, config.feedback, seed)
+    codec = build_codec(config, seed)
+    assert codec is not None
+    return CompressedGradSync(named_params, comm, codec, config.feedback, bucket_bytes)
+
+
+def diloco_feedback(config: CompressorConfig) -> str:
+    """``auto`` keeps error feedback for sparsified pseudo-gradients only (see ``diloco`` for why)."""
+    if config.error_feedback != "auto":
+        return config.error_feedback
+    return "ef" if config.method in ("topk", "randomk") else "none"
+
+
+def build_diloco(
+    config: CompressionConfig, named_params: Iterable[tuple[str, nn.Parameter]], comm: Collective, seed: int = 0
+) -> DiLoCo:
+    pseudo = config.diloco.pseudo_grad
+    return DiLoCo(named_params, comm, config.diloco, build_codec(pseudo, seed), diloco_feedback(pseudo))

@@ -1,0 +1,170 @@
+"""Compressed sums of a flat fp32 vector over replicas: what crosses the wire is the compressed payload.
+
+A codec's ``exchange(v, comm, state)`` returns the sum over replicas of every replica's compressed ``v``
+(decoded) and this replica's own decoded contribution, which error feedback subtracts from ``v`` to keep
+what was not sent. ``state`` is a dict the caller keeps per bucket and checkpoints.
+
+- ``TopK``: per segment of ``segment`` elements the ``k`` largest magnitudes, as fp32 values and uint16
+  in-segment indices (6 bytes per kept element), all-gathered: replicas pick different entries.
+- ``RandomK``: the same ``ratio`` of entries on every replica (a generator seeded by the call count), so
+  only the values travel, in a plain all-reduce.
+- ``BlockQuant``: int8 or int4 codes with one bf16 scale per block, summed in two phases: each replica
+  sends chunk ``j`` of its codes to replica ``j`` (all-to-all), which decodes and sums its chunk, quantizes
+  the sum again and all-gathers it. The second quantization keeps its own residual on the chunk's owner
+  (``state["owner_residual"]``) and adds it back next time, so the sum carries no lasting bias either.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hetero.kernels.quantize import dequantize_blocks, quantize_blocks
+from hetero.kernels.segment_topk import scatter_segments, segment_topk
+from hetero.parallel.compression.collective import Collective
+
+
+class Codec(Protocol):
+    biased: bool
+
+    def exchange(self, v: torch.Tensor, comm: Collective, state: dict) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def exchange_with_feedback(
+        self, grad: torch.Tensor, residual: torch.Tensor, comm: Collective, state: dict
+    ) -> torch.Tensor: ...
+
+    def contraction(self) -> float: ...
+
+
+class _FeedbackByDifference:
+    def exchange_with_feedback(
+        self, grad: torch.Tensor, residual: torch.Tensor, comm: Collective, state: dict
+    ) -> torch.Tensor:
+        """Send ``grad + residual`` compressed; ``residual`` becomes what was left out. Returns the sum."""
+        v = residual.add_(grad)
+        total, own = self.exchange(v, comm, state)  # type: ignore[attr-defined]
+        residual.sub_(own)
+        return total
+
+
+class TopK:
+    biased = True
+
+    def __init__(self, ratio: float, segment: int = 1024):
+        self.segment = segment
+        self.k = max(1, round(ratio * segment))
+
+    def contraction(self) -> float:
+        """Worst-case ||C(x) - x||^2 / ||x||^2."""
+        return 1 - self.k / self.segment
+
+    def exchange(self, v: torch.Tensor, comm: Collective, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        padded = _pad(v, self.segment)
+        left_out = torch.zeros_like(padded)
+        total = self._send(padded, left_out, comm)
+        return total[: v.numel()], (padded - left_out)[: v.numel()]
+
+    def exchange_with_feedback(
+        self, grad: torch.Tensor, residual: torch.Tensor, comm: Collective, state: dict
+    ) -> torch.Tensor:
+        if grad.numel() % self.segment:  # the fused kernel needs whole segments
+            padded_residual = _pad(residual, self.segment)
+            total = self._send(_pad(grad, self.segment), padded_residual, comm)
+            residual.copy_(padded_residual[: grad.numel()])
+            return total[: grad.numel()]
+        return self._send(grad, residual, comm)
+
+    def _send(self, grad: torch.Tensor, residual: torch.Tensor, comm: Collective) -> torch.Tensor:
+        values, indices = segment_topk(grad, residual, self.k, self.segment)
+        payload = torch.cat([values.view(-1).view(torch.uint8), indices.view(-1).view(torch.uint8)])
+        gathered = comm.all_gather(payload)
+        split = values.numel() * 4
+        total = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
+        for row in gathered:
+            got_values = _view(row[:split], torch.float32).view(values.shape)
+            got_indices = _view(row[split:], torch.uint16).view(indices.shape)
+            total += scatter_segments(got_values, got_indices, grad.numel(), self.segment)
+        return total
+
+
+class RandomK(_FeedbackByDifference):
+    biased = True  # unscaled, so that error feedback applies; the d/k-scaled variant is unbiased but noisy
+
+    def __init__(self, ratio: float, seed: int = 0):
+        self.ratio = ratio
+        self.seed = seed
+
+    def contraction(self) -> float:
+        """Expected ||C(x) - x||^2 / ||x||^2."""
+        return 1 - self.ratio
+
+    def exchange(self, v: torch.Tensor, comm: Collective, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        calls = int(state.get("calls", 0))
+        state["calls"] = calls + 1
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + calls)
+        k = max(1, round(self.ratio * v.numel()))
+        indices = torch.randperm(v.numel(), generator=generator)[:k].to(v.device)
+        values = v[indices].contiguous()
+        own = torch.zeros_like(v).index_copy_(0, indices, values)
+        comm.all_reduce(values)
+        total = torch.zeros_like(v).index_copy_(0, indices, values)
+        return total, own
+
+
+class BlockQuant(_FeedbackByDifference):
+    biased = True  # round-to-nearest
+
+    def __init__(self, bits: int, block_size: int = 64):
+        self.bits = bits
+        self.block_size = block_size
+
+    def contraction(self) -> float:
+        """Worst-case ||C(x) - x||^2 / ||x||^2: each element is off by at most half a step of absmax/qmax."""
+        limit = 2 ** (self.bits - 1) - 1
+        return min(1.0, self.block_size / (4 * limit**2))
+
+    def exchange(self, v: torch.Tensor, comm: Collective, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        n = comm.size
+        padded = _pad(v, n * self.block_size)
+        chunk = padded.numel() // n
+        codes, scales = quantize_blocks(padded, self.bits, self.block_size)
+        own = dequantize_blocks(codes, scales, self.bits, self.block_size)
+        outgoing = torch.cat([codes.view(n, -1), scales.view(n, -1).view(torch.uint8)], dim=1)
+        incoming = comm.all_to_all(outgoing.view(-1)).view(n, -1)
+        code_width = codes.numel() // n
+        chunk_sum = torch.zeros(chunk, dtype=torch.float32, device=v.device)
+        for row in incoming:
+            chunk_sum += dequantize_blocks(
+                row[:code_width], _view(row[code_width:], scales.dtype), self.bits, self.block_size
+            )
+        owner_residual = state.get("owner_residual")
+        if owner_residual is None or owner_residual.numel() != chunk:
+            owner_residual = torch.zeros_like(chunk_sum)
+        chunk_sum += owner_residual
+        sum_codes, sum_scales = quantize_blocks(chunk_sum, self.bits, self.block_size)
+        sent_sum = dequantize_blocks(sum_codes, sum_scales, self.bits, self.block_size)
+        state["owner_residual"] = chunk_sum - sent_sum
+        gathered = comm.all_gather(torch.cat([sum_codes, sum_scales.view(torch.uint8)]))
+        total = torch.cat(
+            [
+                dequantize_blocks(row[: sum_codes.numel()], _view(row[sum_codes.numel() :], scales.dtype),
+                                  self.bits, self.block_size)
+                for row in gathered
+            ]
+        )
+        return total[: v.numel()], own[: v.numel()]
+
+
+def _view(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes of a received payload as ``dtype`` (copied when their offset is not aligned for it)."""
+    if payload.storage_offset() % dtype.itemsize:
+        payload = payload.clone()
+    return payload.view(dtype)
+
+
+def _pad(v: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = math.ceil(v.numel() / multiple) * multiple - v.numel()
+    return F.pad(v, (0, extra)) if extra else v

@@ -1,0 +1,112 @@
+"""The ``compression:`` block of a module: how its gradients, or its DiLoCo pseudo-gradients, travel.
+
+    vision:
+      compression:
+        grad: {method: int8}                         # every step, error feedback on by default
+    llm:
+      compression:
+        diloco: {inner_steps: 32, pseudo_grad: {method: int4}}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+METHODS = ("none", "topk", "randomk", "int8", "int4", "powersgd")
+FEEDBACK = ("auto", "ef", "ef21", "none")
+
+
+@dataclass
+class CompressorConfig:
+    method: str = "none"  # none (fp32 all-reduce) | topk | randomk | int8 | int4 | powersgd
+    ratio: float = 0.01  # topk, randomk: fraction of entries sent
+    segment: int = 1024  # topk: entries per selection segment (indices are uint16 within one)
+    block_size: int = 64  # int8, int4: entries sharing one scale
+    rank: int = 4  # powersgd: rank of the approximation
+    error_feedback: str = "auto"  # auto (ef for the biased methods) | ef | ef21 | none
+
+    @property
+    def feedback(self) -> str:
+        if self.error_feedback != "auto":
+            return self.error_feedback
+        return "none" if self.method == "none" else "ef"
+
+    def errors(self, where: str) -> list[str]:
+        found = []
+        if self.method not in METHODS:
+            found.append(f"{where}.method={self.method!r} is not one of {', '.join(METHODS)}")
+        if self.error_feedback not in FEEDBACK:
+            found.append(f"{where}.error_feedback={self.error_feedback!r} is not one of {', '.join(FEEDBACK)}")
+        if not 0 < self.ratio <= 1:
+            found.append(f"{where}.ratio={self.ratio} must be in (0, 1]")
+        if not 0 < self.segment <= 2**16:
+            found.append(f"{where}.segment={self.segment} must be in 1..65536 (indices are uint16)")
+        if self.block_size <= 0 or self.block_size % 2:
+            found.append(f"{where}.block_size={self.block_size} must be a positive even number")
+        if self.rank < 1:
+            found.append(f"{where}.rank={self.rank} must be at least 1")
+        if self.method == "none" and self.error_feedback in ("ef", "ef21"):
+            found.append(f"{where}.error_feedback={self.error_feedback} needs a compressing method; set {where}.method")
+        if self.method == "powersgd" and self.error_feedback == "ef21":
+            found.append(f"{where}: powersgd supports error_feedback ef or none, not ef21")
+        return found
+
+
+@dataclass
+class DiLoCoConfig:
+    # H: local optimizer steps between outer syncs (0: DiLoCo off). The inner learning rate is the module's
+    # optim.lr; the EF/DiLoCo analysis scales it as 1/(H sqrt(T)) for T outer rounds. H=1 with outer_lr=1
+    # and outer_momentum=0 compresses every step's optimizer update instead of its gradient.
+    inner_steps: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9  # Nesterov
+    fragments: int = 1  # streaming DiLoCo: sync one fragment of the layers every inner_steps/fragments steps
+    pseudo_grad: CompressorConfig = field(default_factory=CompressorConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.inner_steps > 0
+
+    def errors(self, where: str) -> list[str]:
+        found = self.pseudo_grad.errors(f"{where}.pseudo_grad")
+        if self.inner_steps < 0:
+            found.append(f"{where}.inner_steps={self.inner_steps} must be 0 (off) or positive")
+        if self.fragments < 1 or (self.enabled and self.inner_steps % self.fragments):
+            found.append(
+                f"{where}.fragments={self.fragments} must be at least 1 and divide inner_steps={self.inner_steps}"
+            )
+        if self.pseudo_grad.method == "powersgd":
+            found.append(f"{where}.pseudo_grad.method=powersgd is not supported; use topk, randomk, int8 or int4")
+        if self.pseudo_grad.error_feedback == "ef21":
+            found.append(f"{where}.pseudo_grad.error_feedback=ef21 is not supported; use ef or none")
+        return found
+
+
+@dataclass
+class CompressionConfig:
+    grad: CompressorConfig = field(default_factory=CompressorConfig)  # per-step gradient sync
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)  # replaces the per-step sync when on
+
+    @property
+    def compresses(self) -> bool:
+        return self.grad.method != "none" or self.diloco.enabled
+
+    def errors(self, module: str, cp: int = 1, fsdp: bool = False) -> list[str]:
+        """Problems with this block for a module of context-parallel degree ``cp`` (and FSDP on or off)."""
+        found = self.grad.errors(f"{module}.compression.grad") + self.diloco.errors(f"{module}.compression.diloco")
+        if fsdp and self.compresses:
+            found.append(
+                f"{module}.parallel.fsdp=true reduce-scatters gradients itself; compression needs the DP "
+                f"gradient sync: set {module}.parallel.fsdp=false or turn {module}.compression off"
+            )
+        if self.diloco.enabled and cp > 1:
+            found.append(
+                f"{module}.compression.diloco needs cp=1 (context-parallel ranks must sum gradients every "
+                f"step); got {module}.layout.cp={cp}"
+            )
+        if self.diloco.enabled and self.grad.method != "none":
+            found.append(
+                f"{module}.compression: diloco replaces the per-step gradient sync; set grad.method=none "
+                f"(got {self.grad.method}) or diloco.inner_steps=0"
+            )
+        return found

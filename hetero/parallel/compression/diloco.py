@@ -1,0 +1,162 @@
+"""DiLoCo: replicas train alone for H inner steps, then average their pseudo-gradients in one outer step.
+
+Every replica keeps the global weights of the last sync (the anchor). After every ``H / fragments`` inner
+optimizer steps one fragment of the parameters (streaming DiLoCo; one fragment is plain DiLoCo) syncs:
+
+    delta_i = anchor - theta_i             (this replica's pseudo-gradient)
+    delta   = sum_i C(delta_i) / n         (compressed, with error feedback when on)
+    anchor  <- Nesterov SGD step on anchor with gradient delta (outer_lr, outer_momentum)
+    theta_i <- anchor
+
+Error feedback and outer momentum: the residual of round t is added to the pseudo-gradient of round t+1
+*before* compression, so the outer Nesterov step only ever sees what the replicas exchanged and its
+momentum buffer stays identical on every replica (no replica-local correction enters the momentum).
+``auto`` keeps error feedback for sparsified pseudo-gradients (topk, randomk drop most of each delta) and
+leaves it off for int8/int4: on the text task of ``bench compression`` (H=32, 3 seeds) int4 with and
+without it ended at 2.3002 and 2.2996 ± 0.027 against 2.3118 uncompressed, so the residual buffer (one
+more copy of the weights) buys nothing measurable there.
+
+The outer sync runs over a ``Collective``: the module's dp group, or torchft's fault-tolerant replica
+groups, where a round that fails to commit is dropped and the replica returns to its anchor.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from hetero.parallel.compression.codecs import Codec
+from hetero.parallel.compression.collective import Collective
+from hetero.parallel.compression.config import DiLoCoConfig
+from hetero.parallel.data import local_data
+
+
+class DiLoCo:
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        comm: Collective,
+        config: DiLoCoConfig,
+        codec: Codec | None,
+        feedback: str,
+    ):
+        if not config.enabled:
+            raise ValueError("DiLoCo needs inner_steps > 0")
+        self.params = dict(named_params)
+        self.comm, self.config, self.codec, self.feedback = comm, config, codec, feedback
+        self.period = config.inner_steps // config.fragments
+        self.fragments = _split_evenly(list(self.params), [local_data(p).numel() for p in self.params.values()],
+                                       config.fragments)
+        self.anchor = {n: nn.Parameter(local_data(p).detach().clone()) for n, p in self.params.items()}
+        self.outer = torch.optim.SGD(
+            list(self.anchor.values()), lr=config.outer_lr, momentum=config.outer_momentum,
+            nesterov=config.outer_momentum > 0,
+        )
+        self.residual: dict[str, torch.Tensor] = {}
+        self.codec_state: dict[int, dict] = {}
+        self.inner_step = 0
+        self.rounds = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.comm.bytes_sent
+
+    def after_inner_step(self) -> int | None:
+        """Count one inner optimizer step; sync the fragment that is due, returning its index (else None)."""
+        self.inner_step += 1
+        if self.inner_step % self.period:
+            return None
+        fragment = (self.inner_step // self.period - 1) % len(self.fragments)
+        self._sync(fragment)
+        return fragment
+
+    @torch.no_grad()
+    def _sync(self, fragment: int) -> None:
+        names = self.fragments[fragment]
+        self.comm.start_round()
+        delta = torch.cat([(self.anchor[n] - local_data(self.params[n])).reshape(-1) for n in names])
+        state = self.codec_state.setdefault(fragment, {})
+        saved_state = copy.deepcopy(state)
+        saved_residual = {n: self.residual[n].clone() for n in names if n in self.residual}
+        if self.codec is None:
+            self.comm.all_reduce(delta)
+            total = delta
+        elif self.feedback == "ef":
+            residual = torch.cat([self.residual.get(n, torch.zeros_like(self.anchor[n])).reshape(-1) for n in names])
+            total = self.codec.exchange_with_feedback(delta, residual, self.comm, state)
+            for n, r in zip(names, _pieces(residual, [self.anchor[n] for n in names])):
+                self.residual[n] = r.clone()
+        else:
+            total, _ = self.codec.exchange(delta, self.comm, state)
+        if not self.comm.commit_round():
+            # A failed round is dropped: back to the last agreed weights and error-feedback state.
+            self.codec_state[fragment] = saved_state
+            for n in names:
+                local_data(self.params[n]).copy_(self.anchor[n])
+                if n in saved_residual:
+                    self.residual[n] = saved_residual[n]
+                else:
+                    self.residual.pop(n, None)
+            return
+        for anchor in self.anchor.values():
+            anchor.grad = None
+        for n, mean in zip(names, _pieces(total / self.comm.size, [self.anchor[n] for n in names])):
+            self.anchor[n].grad = mean.clone()
+        self.outer.step()
+        for n in names:
+            local_data(self.params[n]).copy_(self.anchor[n])
+        self.rounds += 1
+
+    def residual_norm(self) -> float:
+        squares = sum((r.double().pow(2).sum() for r in self.residual.values()), torch.zeros(()))
+        return float(squares.sqrt())
+
+    def state_dict(self) -> dict:
+        return {
+            "anchor": {n: a.detach().clone() for n, a in self.anchor.items()},
+            "outer": self.outer.state_dict(),
+            "residual": {n: r.clone() for n, r in self.residual.items()},
+            "codec_state": {i: dict(s) for i, s in self.codec_state.items()},
+            "inner_step": self.inner_step,
+            "rounds": self.rounds,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for n, a in state["anchor"].items():
+                self.anchor[n].copy_(a)
+        self.outer.load_state_dict(state["outer"])
+        self.residual = {n: r.clone() for n, r in state["residual"].items()}
+        self.codec_state = {int(i): dict(s) for i, s in state["codec_state"].items()}
+        self.inner_step = int(state["inner_step"])
+        self.rounds = int(state["rounds"])
+
+
+def _pieces(flat: torch.Tensor, like: list[torch.Tensor]) -> Iterable[torch.Tensor]:
+    offset = 0
+    for t in like:
+        yield flat[offset : offset + t.numel()].view_as(t)
+        offset += t.numel()
+
+
+def _split_evenly(names: list[str], sizes: list[int], parts: int) -> list[list[str]]:
+    """Consecutive runs of ``names`` with about equal total size, one per part (each non-empty)."""
+    if parts > len(names):
+        raise ValueError(f"cannot split {len(names)} parameters into {parts} DiLoCo fragments")
+    total = sum(sizes)
+    fragments: list[list[str]] = [[] for _ in range(parts)]
+    running = 0
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        part = min(parts - 1, running * parts // total)
+        part = max(part, parts - (len(names) - i))  # as many names left as parts still to fill
+        fragments[part].append(name)
+        running += size
+    return fragments if all(fragments) else _split_by_count(names, parts)
+
+
+def _split_by_count(names: list[str], parts: int) -> list[list[str]]:
+    step = len(names) / parts
+    return [names[round(i * step) : round((i + 1) * step)] for i in range(parts)]

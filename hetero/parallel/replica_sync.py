@@ -1,0 +1,84 @@
+"""How a module's data-parallel replicas agree: a gradient sync every step, or DiLoCo's outer rounds.
+
+A trainer calls ``before_step()`` after every microbatch's backward and ``after_step()`` after its
+optimizer step. With a per-step sync the first sums the replicas' gradients (compressed or not) and the
+second does nothing; with DiLoCo the first turns this replica's share of the global-mean gradient into its
+own mean gradient (the losses are normalized by the global token count) and the second counts the inner
+step and runs the outer round when one is due.
+
+DiLoCo's outer rounds run over the module's dp group, or over ``outer_comm`` when one is given: a
+``TorchftCollective`` makes each job (or process) one replica group of a fault-tolerant torchft job.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hetero.parallel.compression.build import build_diloco, build_grad_sync
+from hetero.parallel.compression.collective import Collective, GroupCollective
+from hetero.parallel.compression.config import CompressionConfig
+from hetero.parallel.compression.diloco import DiLoCo
+from hetero.parallel.data import GradSync
+from hetero.parallel.mesh import ModuleMesh
+from hetero.parallel.options import ParallelOptions
+
+
+class ReplicaSync:
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: ModuleMesh | None,
+        options: ParallelOptions,
+        compression: CompressionConfig | None = None,
+        seed: int = 0,
+        outer_comm: Collective | None = None,
+    ):
+        self.compression = compression or CompressionConfig()
+        self.model = model
+        self.replicas = 1 if mesh is None else mesh.layout.dp * mesh.layout.cp
+        self.grad_sync: GradSync | None = None
+        self.diloco: DiLoCo | None = None
+        if self.compression.diloco.enabled:
+            if outer_comm is None and self.replicas == 1:
+                return  # one replica: nothing to average, DiLoCo would only add outer steps
+            comm = outer_comm or GroupCollective(mesh.group("dp_cp"))  # type: ignore[union-attr]
+            self.diloco = build_diloco(self.compression, model.named_parameters(), comm, seed)
+        elif self.replicas > 1 and not options.fsdp:
+            comm = GroupCollective(mesh.group("dp_cp"))  # type: ignore[union-attr]
+            bucket_bytes = int(options.grad_bucket_mb * 2**20)
+            self.grad_sync = build_grad_sync(self.compression.grad, model.named_parameters(), comm, bucket_bytes, seed)
+
+    @property
+    def bytes_sent(self) -> int:
+        engine = self.diloco or self.grad_sync
+        return engine.bytes_sent if engine is not None else 0
+
+    def before_step(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.sync()
+        elif self.diloco is not None and self.replicas > 1:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self.replicas)
+
+    def after_step(self) -> None:
+        if self.diloco is not None:
+            self.diloco.after_inner_step()
+
+    def residual_norm(self) -> float:
+        """Error-feedback residual norm on this replica (0 when nothing keeps one)."""
+        engine = self.diloco or self.grad_sync
+        norm = getattr(engine, "residual_norm", None)
+        return norm() if norm is not None else 0.0
+
+    def state_dict(self) -> dict:
+        return {
+            "grad_sync": self.grad_sync.state_dict() if self.grad_sync is not None else None,
+            "diloco": self.diloco.state_dict() if self.diloco is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.load_state_dict(state["grad_sync"])
+        if self.diloco is not None:
+            self.diloco.load_state_dict(state["diloco"])

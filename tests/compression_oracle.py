@@ -1,0 +1,92 @@
+"""Plain single-process versions of the compressed sums, written from the definitions with loops.
+
+Each function takes every replica's vector at once (a list) and returns the sum the replicas should all
+end up with, updating the per-replica error-feedback state lists in place. hetero's multi-rank code must
+reproduce them.
+"""
+
+import math
+
+import torch
+
+
+def quantize(x, bits, block):
+    """Round-to-nearest symmetric quantization with one bf16 scale per block; returns the decoded values."""
+    limit = 2 ** (bits - 1) - 1
+    out = torch.empty_like(x)
+    for start in range(0, x.numel(), block):
+        piece = x[start : start + block]
+        scale = (piece.abs().max() / limit).to(torch.bfloat16).float()
+        if scale == 0:
+            out[start : start + block] = 0
+            continue
+        codes = torch.clamp(torch.floor(piece / scale + 0.5), -limit, limit)
+        out[start : start + block] = codes * scale
+    return out
+
+
+def pad(x, multiple):
+    extra = math.ceil(x.numel() / multiple) * multiple - x.numel()
+    return torch.cat([x, x.new_zeros(extra)])
+
+
+def topk_sparsify(v, ratio, segment):
+    """Keep the round(ratio*segment) largest magnitudes of every segment."""
+    k = max(1, round(ratio * segment))
+    padded = pad(v, segment).view(-1, segment)
+    kept = torch.zeros_like(padded)
+    for row in range(padded.shape[0]):
+        idx = padded[row].abs().topk(k).indices
+        kept[row, idx] = padded[row, idx]
+    return kept.view(-1)[: v.numel()]
+
+
+def topk_sum(vectors, residuals, ratio, segment):
+    """Error feedback with segmented top-k: each replica sends top-k of (g + e) and keeps the rest."""
+    total = torch.zeros_like(vectors[0])
+    for i, g in enumerate(vectors):
+        v = g + residuals[i]
+        sent = topk_sparsify(v, ratio, segment)
+        residuals[i] = v - sent
+        total += sent
+    return total
+
+
+def quant_sum(vectors, residuals, owner_residuals, bits, block, feedback=True):
+    """Two-phase quantized sum: replicas quantize, chunk owners sum and quantize again (owner residual kept)."""
+    n = len(vectors)
+    numel = vectors[0].numel()
+    sent = []
+    for i, g in enumerate(vectors):
+        v = pad(g + residuals[i] if feedback else g, n * block)
+        q = quantize(v, bits, block)
+        if feedback:
+            residuals[i] = (v - q)[:numel]
+        sent.append(q)
+    chunk = sent[0].numel() // n
+    out = []
+    for j in range(n):
+        s = sum(q[j * chunk : (j + 1) * chunk] for q in sent)
+        s = s + owner_residuals[j]
+        q = quantize(s, bits, block)
+        owner_residuals[j] = s - q
+        out.append(q)
+    return torch.cat(out)[:numel]
+
+
+def owner_zeros(numel, n, block):
+    return [torch.zeros(math.ceil(numel / (n * block)) * block) for _ in range(n)]
+
+
+def powersgd_sum(matrices, residuals, qs, rank):
+    """One PowerSGD step with error feedback for one weight matrix held by every replica."""
+    n = len(matrices)
+    ms = [m + r for m, r in zip(matrices, residuals)]
+    p = sum(m @ qs[0] for m in ms)
+    p = torch.linalg.qr(p).Q
+    q = sum(m.T @ p for m in ms)
+    approx = p @ q.T
+    for i in range(n):
+        residuals[i] = ms[i] - approx / n
+    qs[0] = q
+    return approx

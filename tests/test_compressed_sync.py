@@ -1,0 +1,124 @@
+"""Compressed gradient syncs on 2 and 4 gloo ranks give what the single-process oracle computes from every
+replica's gradient at once, step after step (error-feedback state carried), and count their bytes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from compression_oracle import owner_zeros, powersgd_sum, quant_sum, topk_sum
+from hetero.parallel.compression.build import build_grad_sync
+from hetero.parallel.compression.collective import GroupCollective
+from hetero.parallel.compression.config import CompressorConfig
+from hetero.testing.multiprocess import run_ranks
+
+STEPS = 4
+SHAPES = {"w1": (48, 40), "b1": (48,), "w2": (24, 48)}  # 3,120 entries: not a multiple of any block
+
+
+def replica_grads(rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+
+
+def params():
+    return {n: nn.Parameter(torch.zeros(s)) for n, s in SHAPES.items()}
+
+
+def sync_steps(rank, world_size, config):
+    named = params()
+    sync = build_grad_sync(config, named.items(), GroupCollective(dist.group.WORLD), 2**20, seed=5)
+    out = []
+    for step in range(STEPS):
+        for name, g in replica_grads(rank, step).items():
+            named[name].grad = g
+        sync.sync()
+        out.append({n: p.grad.clone() for n, p in named.items()})
+    return out, sync.bytes_sent
+
+
+def flat(grads):
+    return torch.cat([grads[n].reshape(-1) for n in SHAPES])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_topk_with_error_feedback_matches_the_oracle(world_size):
+    config = CompressorConfig(method="topk", ratio=0.05, segment=256)
+    results = run_ranks(sync_steps, world_size, config, timeout_s=120)
+    residuals = [torch.zeros(3120) for _ in range(world_size)]
+    for step in range(STEPS):
+        expected = topk_sum([flat(replica_grads(r, step)) for r in range(world_size)], residuals, 0.05, 256)
+        for out, _ in results:
+            torch.testing.assert_close(flat(out[step]), expected, rtol=1e-6, atol=1e-6)
+    k_total = 13 * round(0.05 * 256)  # 13 segments of 256 after padding
+    assert results[0][1] == STEPS * (world_size - 1) * k_total * 6  # fp32 value + uint16 index each
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_two_phase_quantized_sum_matches_the_oracle(bits, world_size):
+    config = CompressorConfig(method=f"int{bits}", block_size=32)
+    results = run_ranks(sync_steps, world_size, config, timeout_s=120)
+    residuals = [torch.zeros(3120) for _ in range(world_size)]
+    owners = owner_zeros(3120, world_size, 32)
+    for step in range(STEPS):
+        grads = [flat(replica_grads(r, step)) for r in range(world_size)]
+        expected = quant_sum(grads, residuals, owners, bits, 32)
+        for out, _ in results:
+            torch.testing.assert_close(flat(out[step]), expected, rtol=1e-6, atol=1e-6)
+        exact = sum(grads)
+        assert float((expected - exact).norm() / exact.norm()) < (0.02 if bits == 8 else 0.3)
+    padded = -(-3120 // (world_size * 32)) * world_size * 32
+    payload = padded * bits // 8 + padded // 32 * 2  # codes + one bf16 scale per block
+    per_step = 2 * (world_size - 1) * payload // world_size
+    assert abs(results[0][1] - STEPS * per_step) <= STEPS * world_size  # integer division per call
+
+
+def test_ef21_tracks_the_sum_of_gradients():
+    config = CompressorConfig(method="topk", ratio=0.05, segment=256, error_feedback="ef21")
+    results = run_ranks(sync_steps, 2, config, timeout_s=120)
+    local = [torch.zeros(3120) for _ in range(2)]
+    total = torch.zeros(3120)
+    zero = [torch.zeros(3120) for _ in range(2)]
+    for step in range(STEPS):
+        grads = [flat(replica_grads(r, step)) for r in range(2)]
+        sent = topk_sum([g - h for g, h in zip(grads, local)], zero, 0.05, 256)
+        for r in range(2):  # each replica's estimate moves by what it sent
+            mine = topk_sum([grads[r] - local[r]], [torch.zeros(3120)], 0.05, 256)
+            local[r] = local[r] + mine
+        zero = [torch.zeros(3120) for _ in range(2)]
+        total = total + sent
+        for out, _ in results:
+            torch.testing.assert_close(flat(out[step]), total, rtol=1e-6, atol=1e-6)
+
+
+def test_randomk_sends_the_same_entries_from_every_replica():
+    config = CompressorConfig(method="randomk", ratio=0.1, error_feedback="none")
+    results = run_ranks(sync_steps, 2, config, timeout_s=120)
+    for step in range(STEPS):
+        got = flat(results[0][0][step])
+        torch.testing.assert_close(got, flat(results[1][0][step]))
+        chosen = got != 0
+        assert int(chosen.sum()) == round(0.1 * 3120)
+        exact = flat(replica_grads(0, step)) + flat(replica_grads(1, step))
+        torch.testing.assert_close(got[chosen], exact[chosen])
+    assert results[0][1] == STEPS * round(0.1 * 3120) * 4  # 2(n-1)/n = 1 at n = 2
+
+
+def test_powersgd_matches_the_oracle_with_warm_start_and_error_feedback():
+    config = CompressorConfig(method="powersgd", rank=2)
+    results = run_ranks(sync_steps, 2, config, timeout_s=120)
+    residuals = {n: [torch.zeros(SHAPES[n]) for _ in range(2)] for n in ("w1", "w2")}
+    qs = {}
+    for n in ("w1", "w2"):
+        gen = torch.Generator().manual_seed(5 + sum(map(ord, n)))
+        qs[n] = [torch.randn(SHAPES[n][1], 2, generator=gen)]
+    for step in range(STEPS):
+        grads = [replica_grads(r, step) for r in range(2)]
+        expected = {n: powersgd_sum([g[n] for g in grads], residuals[n], qs[n], 2) for n in ("w1", "w2")}
+        for out, _ in results:
+            torch.testing.assert_close(out[step]["b1"], grads[0]["b1"] + grads[1]["b1"])
+            for n in ("w1", "w2"):
+                torch.testing.assert_close(out[step][n], expected[n], rtol=1e-5, atol=1e-5)
+    matrices = 2 * (48 + 40) + 2 * (24 + 48)
+    assert results[0][1] == STEPS * (48 + matrices) * 4

@@ -1,0 +1,223 @@
+"""The LLM trainer with compressed DP sync or DiLoCo on 2 gloo ranks matches a single-process oracle that
+holds both replicas and applies the compression by hand; a resumed run continues exactly."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from compression_oracle import owner_zeros, quant_sum, topk_sum
+from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
+from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
+from hetero.parallel.compression.diloco import _split_evenly
+from hetero.parallel.layout import LayoutSpec
+from hetero.parallel.mesh import build_module_meshes
+from hetero.parallel.placement import place
+from hetero.testing.multiprocess import run_ranks
+from hetero.train.lm import LMTrainer
+from hetero.train.optim import OptimizerConfig
+
+CONFIG = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, seq_len=16)
+BATCH, MICRO, LR, SEED = 8, 2, 1e-2, 7
+OPTIM = OptimizerConfig(lr=LR)
+
+
+def batches(steps):
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1), generator=gen)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def trainer(rank, world_size, compression):
+    mesh = build_module_meshes(place({"llm": LayoutSpec(dp=world_size)}, world_size))["llm"]
+    return LMTrainer(CONFIG, mesh, micro_batch_size=MICRO, optimizer=OPTIM, compression=compression, seed=SEED)
+
+
+def train(rank, world_size, compression, steps):
+    t = trainer(rank, world_size, compression)
+    losses = [t.train_step(x, y) for x, y in batches(steps)]
+    return losses, {n: p.detach().clone() for n, p in t.model.named_parameters()}, t.replica_sync.bytes_sent
+
+
+def train_with_resume(rank, world_size, compression, steps, directory):
+    first = trainer(rank, world_size, compression)
+    data = batches(steps)
+    losses = [first.train_step(x, y) for x, y in data[: steps // 2]]
+    path = os.path.join(directory, f"rank{rank}.pt")
+    torch.save(first.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)
+    del first
+    second = trainer(rank, world_size, compression)
+    second.load_state_dict(torch.load(path, weights_only=False))
+    losses += [second.train_step(x, y) for x, y in data[steps // 2 :]]
+    return losses, {n: p.detach().clone() for n, p in second.model.named_parameters()}
+
+
+def rows(tokens, replica, replicas=2):
+    per = tokens.shape[0] // replicas
+    return tokens[replica * per : (replica + 1) * per]
+
+
+def replica_grads(model, tokens, labels, replica, normalizer):
+    """This replica's loss and flat gradient, accumulated over microbatches as the trainer does (a
+    different summation order would move quantization and top-k decisions at their boundaries)."""
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for x, y in zip(rows(tokens, replica).split(MICRO), rows(labels, replica).split(MICRO)):
+        loss = token_loss_sum(model(x), y) / normalizer
+        loss.backward()
+        total += loss.item()
+    return total, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def set_flat(tensors, flat):
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def oracle_compressed_sync(steps, method):
+    """One model; per step each replica's gradient of its rows, summed through the compressor by hand."""
+    torch.manual_seed(SEED)
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
+    numel = sum(p.numel() for p in model.parameters())
+    residuals = [torch.zeros(numel) for _ in range(2)]
+    owners = owner_zeros(numel, 2, 64)
+    losses = []
+    for tokens, labels in batches(steps):
+        results = [replica_grads(model, tokens, labels, r, tokens.numel()) for r in range(2)]
+        grads = [g for _, g in results]
+        if method == "topk":
+            total = topk_sum(grads, residuals, 0.05, 256)
+        else:
+            total = quant_sum(grads, residuals, owners, 8, 64)
+        with torch.no_grad():
+            set_flat([p.grad for p in model.parameters()], total)
+        opt.step()
+        losses.append(sum(loss for loss, _ in results))
+    return losses, dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("method", ["topk", "int8"])
+def test_compressed_sync_training_matches_the_oracle(method):
+    grad = CompressorConfig(method=method, ratio=0.05, segment=256)
+    results = run_ranks(train, 2, CompressionConfig(grad=grad), 6, timeout_s=180)
+    losses, params = oracle_compressed_sync(6, method)
+    for got_losses, got_params, _ in results:
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        for name, p in params.items():
+            torch.testing.assert_close(got_params[name], p.detach(), rtol=1e-5, atol=1e-5)
+
+
+def oracle_diloco(steps, inner_steps, fragments, pseudo_method="none"):
+    """Two replicas train alone; every inner_steps/fragments steps one fragment's deltas are averaged and
+    applied to the anchor by Nesterov SGD (lr 0.7, momentum 0.9), then copied back to both replicas."""
+    torch.manual_seed(SEED)
+    models = [GPT(CONFIG)]
+    models.append(copy.deepcopy(models[0]))
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8) for m in models]
+    names = [n for n, _ in models[0].named_parameters()]
+    parts = _split_evenly(names, [p.numel() for p in models[0].parameters()], fragments)
+    anchor = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    momentum = {n: torch.zeros_like(a) for n, a in anchor.items()}
+    residuals, owners = {}, {}
+    period = inner_steps // fragments
+    losses = []
+    for step, (tokens, labels) in enumerate(batches(steps)):
+        step_losses = []
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            loss, _ = replica_grads(model, tokens, labels, r, tokens.numel() // 2)
+            opt.step()
+            step_losses.append(loss)
+        losses.append(sum(step_losses) / 2)
+        if (step + 1) % period:
+            continue
+        fragment = ((step + 1) // period - 1) % fragments
+        part = parts[fragment]
+        params = [dict(m.named_parameters()) for m in models]
+        deltas = [torch.cat([(anchor[n] - p[n].detach()).reshape(-1) for n in part]) for p in params]
+        if pseudo_method == "int4":
+            numel = deltas[0].numel()
+            residuals.setdefault(fragment, [torch.zeros(numel) for _ in range(2)])
+            owners.setdefault(fragment, owner_zeros(numel, 2, 64))
+            mean = quant_sum(deltas, residuals[fragment], owners[fragment], 4, 64) / 2
+        else:
+            mean = sum(deltas) / 2
+        offset = 0
+        for n in part:
+            g = mean[offset : offset + anchor[n].numel()].view_as(anchor[n])
+            offset += anchor[n].numel()
+            momentum[n] = 0.9 * momentum[n] + g
+            anchor[n] = anchor[n] - 0.7 * (g + 0.9 * momentum[n])
+            with torch.no_grad():
+                for p in params:
+                    p[n].copy_(anchor[n])
+    return losses, dict(models[0].named_parameters()), dict(models[1].named_parameters())
+
+
+@pytest.mark.parametrize(
+    "inner_steps,fragments,pseudo",
+    [(2, 1, "none"), (4, 2, "none"), (2, 1, "int4")],
+    ids=["diloco", "streaming", "int4-ef"],
+)
+def test_diloco_matches_the_oracle(inner_steps, fragments, pseudo):
+    pseudo_grad = CompressorConfig(method=pseudo, error_feedback="ef" if pseudo != "none" else "auto")
+    compression = CompressionConfig(diloco=DiLoCoConfig(inner_steps=inner_steps, fragments=fragments,
+                                                        pseudo_grad=pseudo_grad))
+    steps = 8
+    results = run_ranks(train, 2, compression, steps, timeout_s=180)
+    losses, params0, params1 = oracle_diloco(steps, inner_steps, fragments, pseudo)
+    for rank, (got_losses, got_params, sent) in enumerate(results):
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        for name, p in (params0 if rank == 0 else params1).items():
+            torch.testing.assert_close(got_params[name], p.detach(), rtol=1e-5, atol=1e-5)
+    numel = sum(p.numel() for p in params0.values())
+    if pseudo == "none":  # every parameter crosses once per outer round, as one fp32 all-reduce
+        assert results[0][2] == steps // inner_steps * numel * 4
+
+
+@pytest.mark.parametrize(
+    "compression",
+    [
+        CompressionConfig(grad=CompressorConfig(method="topk", ratio=0.05, segment=256, error_feedback="ef21")),
+        CompressionConfig(grad=CompressorConfig(method="int4")),
+        CompressionConfig(grad=CompressorConfig(method="powersgd", rank=2)),
+        CompressionConfig(diloco=DiLoCoConfig(inner_steps=2, pseudo_grad=CompressorConfig(method="int4",
+                                                                                          error_feedback="ef"))),
+    ],
+    ids=["topk-ef21", "int4-ef", "powersgd", "diloco-int4-ef"],
+)
+def test_resume_from_a_checkpoint_continues_identically(compression, tmp_path):
+    straight = run_ranks(train, 2, compression, 6, timeout_s=180)
+    resumed = run_ranks(train_with_resume, 2, compression, 6, str(tmp_path), timeout_s=180)
+    for (losses, params, _), (resumed_losses, resumed_params) in zip(straight, resumed):
+        assert resumed_losses == losses
+        for name, p in params.items():
+            assert torch.equal(resumed_params[name], p), name
+
+
+def train_on_layout(rank, world_size, layout, compression, steps):
+    mesh = build_module_meshes(place({"llm": LayoutSpec(**layout)}, world_size))["llm"]
+    t = LMTrainer(CONFIG, mesh, micro_batch_size=MICRO, optimizer=OPTIM, compression=compression, seed=SEED)
+    losses = [t.train_step(x, y) for x, y in batches(steps)]
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in t.model.named_parameters()}
+    return losses, params
+
+
+def test_diloco_on_tensor_parallel_replicas_matches_plain_replicas():
+    """DiLoCo keeps anchors of each rank's shard: tp=2 replicas train exactly as tp=1 ones."""
+    compression = CompressionConfig(diloco=DiLoCoConfig(inner_steps=2))
+    plain = run_ranks(train_on_layout, 2, {"dp": 2}, compression, 6, timeout_s=180)[0]
+    sharded = run_ranks(train_on_layout, 4, {"tp": 2, "dp": 2}, compression, 6, timeout_s=240)[0]
+    assert sharded[0] == pytest.approx(plain[0], rel=1e-5)
+    # TP sums partial products in another order; AdamW turns that float noise into at most a few
+    # thousandths of one lr-sized step on near-zero gradients, hence atol = lr / 200.
+    for name, p in plain[1].items():
+        torch.testing.assert_close(sharded[1][name], p, rtol=1e-4, atol=LR / 200)

@@ -1,0 +1,113 @@
+"""Each compressor's measured relative error ||C(x) - x||^2 / ||x||^2 on random inputs matches what it
+should be: the worst-case contraction bound always, and the expected value for the input distribution."""
+
+import math
+
+import pytest
+import torch
+
+from hetero.parallel.compression.codecs import BlockQuant, RandomK, TopK
+from hetero.parallel.compression.collective import (
+    all_gather_wire_bytes,
+    all_reduce_wire_bytes,
+    all_to_all_wire_bytes,
+)
+from compression_oracle import quantize
+
+
+class OneReplica:
+    """A Collective of one replica: sums are the input itself."""
+
+    size, rank, bytes_sent = 1, 0, 0
+
+    def all_reduce(self, tensor):
+        pass
+
+    def all_gather(self, tensor):
+        return tensor.unsqueeze(0).clone()
+
+    def all_to_all(self, tensor):
+        return tensor.clone()
+
+    def start_round(self):
+        pass
+
+    def commit_round(self):
+        return True
+
+
+def relative_error(codec, x):
+    total, own = codec.exchange(x, OneReplica(), {})
+    torch.testing.assert_close(total, own)
+    return float((own - x).pow(2).sum() / x.pow(2).sum())
+
+
+def gaussian(numel, seed):
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+def test_topk_keeps_the_energy_of_the_gaussian_tail():
+    x = gaussian(2**16, 0)
+    codec = TopK(0.01, 1024)
+    measured = relative_error(codec, x)
+    assert measured <= codec.contraction()
+    # Keeping the top fraction p of |x| for x ~ N(0, 1) keeps E[x^2; |x| > t] = 2 (t phi(t) + 1 - Phi(t)),
+    # with t the (1 - p) quantile of |x|; per segment of 1024 the quantile is the empirical one.
+    p = codec.k / codec.segment
+    t = _normal_abs_quantile(1 - p)
+    phi = math.exp(-t * t / 2) / math.sqrt(2 * math.pi)
+    kept = 2 * (t * phi + 0.5 * math.erfc(t / math.sqrt(2)))
+    assert measured == pytest.approx(1 - kept, abs=0.01)
+
+
+def test_topk_on_a_vector_with_fewer_nonzeros_than_k_is_exact():
+    x = torch.zeros(2048)
+    x[[3, 900, 1500]] = torch.tensor([1.0, -2.0, 3.0])
+    assert relative_error(TopK(0.01, 1024), x) == 0.0
+
+
+@pytest.mark.parametrize("ratio", [0.01, 0.1])
+def test_randomk_error_is_one_minus_ratio_on_average(ratio):
+    x = gaussian(2**15, 1)
+    codec = RandomK(ratio, seed=3)
+    state = {}
+    errors = []
+    for _ in range(20):
+        total, own = codec.exchange(x, OneReplica(), state)
+        errors.append(float((own - x).pow(2).sum() / x.pow(2).sum()))
+        assert int((own != 0).sum()) == round(ratio * x.numel())
+    assert sum(errors) / len(errors) == pytest.approx(codec.contraction(), abs=0.01)
+    assert len(set(errors)) > 1  # a new set of entries on every call
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [32, 64])
+def test_quantization_error_is_the_uniform_rounding_error_of_each_block(bits, block):
+    x = gaussian(2**14 + 3 * block, 2)  # not a multiple of 2 * block: padding is exercised
+    codec = BlockQuant(bits, block)
+    measured = relative_error(codec, x)
+    assert measured <= codec.contraction()
+    # Rounding to a grid of step s = absmax/qmax leaves an error uniform on [-s/2, s/2]: variance s^2/12.
+    steps = x.view(-1, block).abs().amax(dim=1) / (2 ** (bits - 1) - 1)
+    expected = float((steps.pow(2) / 12 * block).sum() / x.pow(2).sum())
+    assert measured == pytest.approx(expected, rel=0.1)
+    torch.testing.assert_close(codec.exchange(x, OneReplica(), {})[1], quantize(x, bits, block))
+
+
+def test_wire_bytes_follow_the_ring_model():
+    assert all_reduce_wire_bytes(4000, 4) == 6000
+    assert all_gather_wire_bytes(100, 4) == 300
+    assert all_to_all_wire_bytes(400, 4) == 300
+    assert all_reduce_wire_bytes(4000, 1) == 0
+
+
+def _normal_abs_quantile(q):
+    """t with P(|x| <= t) = q for a standard normal x, by bisection."""
+    lo, hi = 0.0, 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if math.erf(mid / math.sqrt(2)) < q:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -272,6 +272,12 @@ def layout(ranks, tp=1, cp=1, dp=1, pp=1) -> Layout:
     return Layout(tp=tp, cp=cp, dp=dp, pp=pp, ranks=tuple(ranks))
 
 
+def rank0_to_rank1(name: str, ndim: int, **options) -> Boundary:
+    """A boundary from rank 0 to rank 1 with the failure tests' short timeout."""
+    return Boundary(name, Side(layout([0])), Side(layout([1])), TensorSpec(ndim=ndim), timeout_s=FAIL_TIMEOUT_S,
+                    **options)
+
+
 def spec(ndim=3, dtype=FLOAT, **sides) -> TensorSpec:
     return TensorSpec(ndim=ndim, dtype=dtype, **sides)
 
@@ -626,14 +632,7 @@ def pair() -> Boundary:
 
 
 def shape_mismatch(rank, world_size, async_sends=False):
-    boundary = Boundary(
-        "v2l",
-        Side(layout([0])),
-        Side(layout([1])),
-        TensorSpec(ndim=3),
-        timeout_s=FAIL_TIMEOUT_S,
-        async_sends=async_sends,
-    )
+    boundary = rank0_to_rank1("v2l", 3, async_sends=async_sends)
     x = torch.zeros(4, 6, 8) if rank == 0 else None
     boundary.forward(x, (4, 6, 8) if rank == 0 else (4, 8, 8))
     boundary.wait_sends()  # with async_sends the headers go out only while the boundary lives
@@ -655,22 +654,8 @@ def test_mismatched_shape_names_boundary_ranks_and_shapes(async_sends):
 
 def other_boundary(rank, world_size, shared):
     group = dist.new_group([0, 1]) if shared else None
-    a = Boundary(
-        "vision->llm",
-        Side(layout([0])),
-        Side(layout([1])),
-        TensorSpec(ndim=2),
-        timeout_s=FAIL_TIMEOUT_S,
-        group=group,
-    )
-    b = Boundary(
-        "audio->llm",
-        Side(layout([0])),
-        Side(layout([1])),
-        TensorSpec(ndim=2),
-        timeout_s=FAIL_TIMEOUT_S,
-        group=group,
-    )
+    a = rank0_to_rank1("vision->llm", 2, group=group)
+    b = rank0_to_rank1("audio->llm", 2, group=group)
     if rank == 0:
         a.forward(torch.zeros(2, 2), (2, 2))
     else:
@@ -818,14 +803,7 @@ def test_waited_sends_deadlock_in_1f1b_orders():
 
 
 def missing_call_async(rank, world_size):
-    boundary = Boundary(
-        "v2l",
-        Side(layout([0])),
-        Side(layout([1])),
-        TensorSpec(ndim=3),
-        timeout_s=FAIL_TIMEOUT_S,
-        async_sends=True,
-    )
+    boundary = rank0_to_rank1("v2l", 3, async_sends=True)
     if rank == 1:
         time.sleep(FAIL_TIMEOUT_S + 3)  # alive, but never makes the call
         return None

@@ -10,7 +10,7 @@ code, with the ring model of ``compression.collective``.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, TypeVar
+from typing import Iterable, Iterator, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,14 @@ def local_grad(param: nn.Parameter) -> torch.Tensor | None:
 def local_data(param: nn.Parameter) -> torch.Tensor:
     """The values this rank holds for ``param`` (its shard, for a DTensor), as a plain tensor sharing storage."""
     return param.data.to_local() if isinstance(param.data, DTensor) else param.data
+
+
+def split_like(flat: torch.Tensor, like: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Consecutive views of ``flat`` shaped like each tensor of ``like``: the inverse of flattening them."""
+    offset = 0
+    for t in like:
+        yield flat[offset : offset + t.numel()].view_as(t)
+        offset += t.numel()
 
 
 def bucketed(
@@ -85,10 +93,9 @@ class AllReduceGradSync:
         for bucket in bucketed(grads, self.bucket_bytes):
             flat = torch.cat([g.reshape(-1) for _, g in bucket])
             self.comm.all_reduce(flat)
-            offset = 0
-            for _, g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            grads = [g for _, g in bucket]
+            for g, piece in zip(grads, split_like(flat, grads)):
+                g.copy_(piece)
 
     def state_dict(self) -> dict:
         return {}

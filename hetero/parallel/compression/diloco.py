@@ -31,7 +31,7 @@ from torch import nn
 from hetero.parallel.compression.codecs import Codec
 from hetero.parallel.compression.collective import Collective
 from hetero.parallel.compression.config import DiLoCoConfig
-from hetero.parallel.data import local_data
+from hetero.parallel.data import local_data, split_like
 
 
 class DiLoCo:
@@ -87,7 +87,7 @@ class DiLoCo:
         elif self.feedback == "ef":
             residual = torch.cat([self.residual.get(n, torch.zeros_like(self.anchor[n])).reshape(-1) for n in names])
             total = self.codec.exchange_with_feedback(delta, residual, self.comm, state)
-            for n, r in zip(names, _pieces(residual, [self.anchor[n] for n in names])):
+            for n, r in zip(names, split_like(residual, [self.anchor[n] for n in names])):
                 self.residual[n] = r.clone()
         else:
             total, _ = self.codec.exchange(delta, self.comm, state)
@@ -103,7 +103,7 @@ class DiLoCo:
             return
         for anchor in self.anchor.values():
             anchor.grad = None
-        for n, mean in zip(names, _pieces(total / self.comm.size, [self.anchor[n] for n in names])):
+        for n, mean in zip(names, split_like(total / self.comm.size, [self.anchor[n] for n in names])):
             self.anchor[n].grad = mean.clone()
         self.outer.step()
         for n in names:
@@ -133,13 +133,6 @@ class DiLoCo:
         self.codec_state = {int(i): dict(s) for i, s in state["codec_state"].items()}
         self.inner_step = int(state["inner_step"])
         self.rounds = int(state["rounds"])
-
-
-def _pieces(flat: torch.Tensor, like: list[torch.Tensor]) -> Iterable[torch.Tensor]:
-    offset = 0
-    for t in like:
-        yield flat[offset : offset + t.numel()].view_as(t)
-        offset += t.numel()
 
 
 def _split_evenly(names: list[str], sizes: list[int], parts: int) -> list[list[str]]:

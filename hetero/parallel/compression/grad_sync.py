@@ -20,7 +20,7 @@ from torch import nn
 
 from hetero.parallel.compression.codecs import Codec
 from hetero.parallel.compression.collective import Collective
-from hetero.parallel.data import bucketed, local_grad
+from hetero.parallel.data import bucketed, local_grad, split_like
 
 
 class CompressedGradSync:
@@ -64,10 +64,8 @@ class CompressedGradSync:
                 self._unflat("total", bucket, total)
             else:
                 total, _ = self.codec.exchange(flat, self.comm, state)
-            offset = 0
-            for g in grads:
-                g.copy_(total[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for g, piece in zip(grads, split_like(total, grads)):
+                g.copy_(piece)
 
     def residual_norm(self) -> float:
         """L2 norm of every error-feedback residual on this replica (0 without ``ef``)."""
@@ -89,7 +87,5 @@ class CompressedGradSync:
         return torch.cat([store.get(n, torch.zeros_like(g)).reshape(-1) for n, g in bucket])
 
     def _unflat(self, kind: str, bucket: list[tuple[str, torch.Tensor]], flat: torch.Tensor) -> None:
-        offset = 0
-        for name, g in bucket:
-            self.buffers[kind][name] = flat[offset : offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
+        for (name, _), piece in zip(bucket, split_like(flat, [g for _, g in bucket])):
+            self.buffers[kind][name] = piece.clone()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hetero.parallel.compression.collective import Collective
-from hetero.parallel.data import local_grad
+from hetero.parallel.data import local_grad, split_like
 
 
 class PowerSGDGradSync:
@@ -55,7 +55,7 @@ class PowerSGDGradSync:
         if plain:
             flat = torch.cat([g.reshape(-1) for g in plain])
             self.comm.all_reduce(flat)
-            _unflatten(flat, plain)
+            _copy_pieces(flat, plain)
         if not matrices:
             return
         m = {}
@@ -69,12 +69,12 @@ class PowerSGDGradSync:
         ps = [m[n] @ self.q[n] for n in matrices]
         flat = torch.cat([p.reshape(-1) for p in ps])
         self.comm.all_reduce(flat)
-        _unflatten(flat, ps)
+        _copy_pieces(flat, ps)
         ps = [torch.linalg.qr(p).Q for p in ps]
         qs = [m[n].T @ p for n, p in zip(matrices, ps)]
         flat = torch.cat([q.reshape(-1) for q in qs])
         self.comm.all_reduce(flat)
-        _unflatten(flat, qs)
+        _copy_pieces(flat, qs)
         for (name, g), p, q in zip(matrices.items(), ps, qs):
             approximation = p @ q.T
             if self.feedback == "ef":
@@ -94,8 +94,7 @@ class PowerSGDGradSync:
         self.q = {n: t.clone() for n, t in state["q"].items()}
 
 
-def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+
+def _copy_pieces(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    for t, piece in zip(tensors, split_like(flat, tensors)):
+        t.copy_(piece)

@@ -43,6 +43,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = {
+    "activation-compression": "hetero.bench.activation_compression",
     "boundary": "hetero.bench.boundary",
     "compression": "hetero.bench.compression",
     "overhead": "hetero.bench.overhead",

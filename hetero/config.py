@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hetero.errors import ConfigError
 from hetero.models import MODEL_CONFIGS
 from hetero.parallel.compression.config import CompressionConfig
+from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.placement import Placement, place
@@ -46,6 +47,7 @@ class BatchConfig:
 class EdgeConfig:
     src: str = ""
     dst: str = ""
+    compression: EdgeCompressionConfig = field(default_factory=EdgeCompressionConfig)  # its traffic
 
 
 @dataclass
@@ -62,6 +64,7 @@ class ModuleConfig:
 @dataclass
 class TrainConfig:
     steps: int = 300
+    sample_reuse: int = 1  # lazy sampling: each batch serves this many consecutive steps (Clapping)
     grad_clip: float = 1.0  # one gradient-norm clip over every module (0: off)
     log_every: int = 10
     eval_every: int = 100  # held-out evaluation (0: only at the end)
@@ -182,6 +185,13 @@ def load_experiment(name_or_path: str = "", overrides: list[str] | tuple[str, ..
     return experiment_from_dict(raw)
 
 
+def _hidden_size(model_config: Any, output: bool = False) -> int:
+    """The last dim of what a module passes between its stages (or, ``output``, on to the next module)."""
+    if output and hasattr(model_config, "out_size"):
+        return int(model_config.out_size)
+    return int(model_config.hidden_size)
+
+
 def validate(experiment: ExperimentConfig) -> Placement:
     """Check everything that can be checked before processes start; return the placement."""
     for name, module in experiment.modules.items():
@@ -243,6 +253,17 @@ def validate(experiment: ExperimentConfig) -> Placement:
                     f"modules split the global batch into different numbers of microbatches ({listed}); "
                     f"set each module's micro_batch_size so that global_batch_size/(dp*micro_batch_size) agree"
                 )
+    reuse = experiment.train.sample_reuse
+    if reuse < 1:
+        errors.append(f"train.sample_reuse={reuse} must be >= 1 (1: a fresh batch every step)")
+    for name, module in experiment.modules.items():
+        errors += module.compression.pipeline.errors(
+            f"{name}.compression.pipeline", reuse, _hidden_size(experiment.model_config(name))
+        )
+    for i, edge in enumerate(experiment.edges):
+        errors += edge.compression.errors(
+            f"edges[{i}].compression", reuse, _hidden_size(experiment.model_config(edge.src), output=True)
+        )
     if experiment.train.wandb not in ("offline", "disabled"):
         errors.append(f"train.wandb={experiment.train.wandb!r} is not one of offline, disabled")
     if experiment.train.steps < 1:

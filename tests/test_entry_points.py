@@ -39,3 +39,18 @@ def test_compression_benchmark_prints_bytes_and_losses():
     assert set(rows) == {"fp32 all-reduce", "int4 + EF"}
     fewer = float(rows["int4 + EF"][-8])  # ... fewer, loss, ±, std, gap, gap/std, accuracy, EF residual
     assert 7 < fewer < 8  # 4-bit codes plus one bf16 scale per 64 entries: 32/4.25 = 7.53
+
+
+def test_activation_compression_benchmark_prints_bytes_losses_and_memory():
+    done = subprocess.run(
+        ["hetero", "bench", "activation-compression", "--tasks", "llm_pp2", "--seeds", "0", "--steps", "8",
+         "--methods", "int2 fwd", "--memory-samples"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line[:38].strip(): line.split() for line in done.stdout.splitlines()
+            if " ± " in line and not line.startswith("method")}
+    assert set(rows) == {"fp32", "int2 fwd / int4 bwd, Clapping"}
+    fewer = float(rows["int2 fwd / int4 bwd, Clapping"][-9])  # ... fewer, loss, ±, std, gap, gap/std, lazy, acc, mem
+    assert 9.8 < fewer < 9.9  # 2+4 bits plus a bf16 scale per 64 entries each way: 64/6.5 = 9.85
+    assert rows["int2 fwd / int4 bwd, Clapping"][-1] == "512KB"  # one step's rows: 4 microbatches of 4x64x64

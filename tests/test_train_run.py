@@ -18,7 +18,7 @@ def test_hetero_train_runs_the_colocated_vlm(tmp_path):
     out = done.stdout
     assert "--nproc_per_node=4" in out
     assert "step     2 | loss" in out and "step     4 | loss" in out
-    assert "boundary.vision->llm.cross=" in out and "grad_sync.llm=" in out
+    assert "boundary.vision->llm.forward=" in out and "grad_sync.llm=" in out
     assert "held-out digit accuracy" in out
     assert "summary: steps 4" in out
     runs = list((tmp_path / "runs" / "colocated_vlm" / "wandb").glob("offline-run-*"))
@@ -53,3 +53,22 @@ def test_hetero_train_runs_a_compression_policy_per_module(tmp_path):
     assert len(lines) == 1
     assert "ef_residual.vision=" in lines[0]  # int8 with error feedback keeps a residual
     assert "grad_sync.vision=" in lines[0] and "grad_sync.llm=" in lines[0]
+
+
+def test_hetero_train_compresses_boundary_and_pipeline_traffic(tmp_path):
+    """compressed_edges_vlm: 2-bit activations forward, 4-bit gradients back on the vision->llm boundary and
+    the LLM's stage edge, with lazy sampling; the progress line shows each edge's bytes per direction and
+    the error-compensation memory."""
+    overrides = [
+        "train.steps=4", "train.log_every=4", "train.eval_every=0", "train.wandb=disabled",
+        f"train.data_dir={tmp_path / 'digits'}", f"train.run_dir={tmp_path / 'runs'}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "hetero.cli", "train", "compressed_edges_vlm", *overrides],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("step     4 | loss")]
+    for name in ("boundary.vision->llm.forward", "boundary.vision->llm.backward", "pipeline.llm.forward",
+                 "pipeline.llm.backward", "ec_memory"):
+        assert f"{name}=" in line, line

@@ -40,15 +40,19 @@ def batches(global_batch):
     return out
 
 
-def reference(global_batch):
-    model = VisionLanguageModel(VISION, LLM, seed=0)
+def reference(global_batch, model=None, data=None, before_step=None):
+    """Losses of every step and gradients of the first; ``model``, ``data`` and a hook called with the
+    step number before each step let other tests run variants (by default the plain VLM and batches)."""
+    model = model or VisionLanguageModel(VISION, LLM, seed=0)
     optims = {
         name: torch.optim.AdamW(getattr(model, name).parameters(), lr=OPTIM[name].lr, betas=(0.9, 0.95),
                                 weight_decay=0.0, eps=1e-8)
         for name in OPTIM
     }
     losses, grads = [], None
-    for step, batch in enumerate(batches(global_batch)):
+    for step, batch in enumerate(data if data is not None else batches(global_batch)):
+        if before_step is not None:
+            before_step(step)
         for opt in optims.values():
             opt.zero_grad()
         supervised = int((batch["labels"] != -100).sum())
@@ -77,12 +81,19 @@ def train(rank, world_size, layouts, global_batch, microbatches):
     for step, batch in enumerate(batches(global_batch)):
         losses.append(trainer.train_step(batch)["loss"])
         if step == 0:
-            for name, module in trainer.modules.items():
-                for pname, p in module.model.named_parameters():
-                    # full_tensor() is collective over TP: every rank of the module calls it
-                    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                    grads[f"{name}.{pname}"] = g.detach().clone()
+            grads = module_grads(trainer)
     return losses, grads
+
+
+def module_grads(trainer: VLMTrainer) -> dict[str, torch.Tensor]:
+    """Every gradient of this rank's modules, whole, named ``<module>.<parameter>``."""
+    grads = {}
+    for name, module in trainer.modules.items():
+        for pname, p in module.model.named_parameters():
+            # full_tensor() is collective over TP: every rank of the module calls it
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[f"{name}.{pname}"] = g.detach().clone()
+    return grads
 
 
 CASES = {

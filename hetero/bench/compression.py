@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 from hetero.bench.compression_tasks import Method, ensure_data, run_text, run_vlm
+from hetero.bench.seed_stats import compare
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
 from hetero.testing.multiprocess import run_ranks
 
@@ -73,23 +73,12 @@ def run_method(task: str, method: Method, seeds: list[int], steps: int, ranks: i
 
 
 def summarize(task: str, results: dict[str, list[dict]], steps: int) -> list[dict]:
-    base = results["fp32 all-reduce"]
-    base_bytes = statistics.mean(r["bytes"] for r in base) / steps
-    base_mean, base_std = _mean_std([r["loss"] for r in base])
-    rows = []
-    for name, runs in results.items():
-        mean, std = _mean_std([r["loss"] for r in runs])
-        bytes_per_step = statistics.mean(r["bytes"] for r in runs) / steps
-        accuracy = None if runs[0]["accuracy"] is None else statistics.mean(r["accuracy"] for r in runs)
-        spread = max(std, base_std) or float("nan")
+    rows = compare(results, "fp32 all-reduce", steps)
+    for row in rows:
+        runs = results[row["method"]]
         residual = [n for r in runs for _, n in r["residual"]]
-        rows.append({
-            "task": task, "method": name, "bytes_per_step": bytes_per_step,
-            "fewer": base_bytes / bytes_per_step if bytes_per_step else float("inf"),
-            "loss": mean, "std": std, "gap": mean - base_mean, "gap_in_std": (mean - base_mean) / spread,
-            "accuracy": accuracy, "residual_max": max(residual) if residual else None,
-            "residual_last": runs[0]["residual"][-1][1] if runs[0]["residual"] else None,
-        })
+        row.update(task=task, residual_max=max(residual) if residual else None,
+                   residual_last=runs[0]["residual"][-1][1] if runs[0]["residual"] else None)
     return rows
 
 
@@ -134,10 +123,6 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 def _verdict(text: str, ok: bool, row: dict) -> str:
     return f"  [{'met' if ok else 'MISSED'}] {text}  (measured {row['fewer']:.1f}x, gap {row['gap']:+.4f})"
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def ef_run(steps: int, ranks: int) -> None:

@@ -168,3 +168,31 @@ def _check_length(data: torch.Tensor, seq_len: int) -> None:
 def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     windows = data[starts[:, None] + torch.arange(seq_len + 1)].long()
     return windows[:, :-1], windows[:, 1:]
+
+
+class WindowSet:
+    """A finite training set: ``count`` fixed windows of ``data``, served in a shuffled order per epoch.
+
+    Sample ``i`` is always the same window, so a per-sample cache can key on it. ``batch(step, size)`` is
+    the batch at stream position ``step * size``; epochs follow each other (a batch may span two).
+    """
+
+    def __init__(self, data: torch.Tensor, count: int, seq_len: int, seed: int):
+        _check_length(data, seq_len)
+        generator = torch.Generator().manual_seed(_step_seed(seed, -1))
+        self.data, self.seq_len, self.seed = data, seq_len, seed
+        self.starts = torch.randint(0, data.numel() - seq_len, (count,), generator=generator)
+
+    def __len__(self) -> int:
+        return self.starts.numel()
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens, labels and sample ids of the global batch of ``step``."""
+        ids = []
+        for position in range(step * batch_size, (step + 1) * batch_size):
+            epoch, offset = divmod(position, len(self))
+            order = torch.randperm(len(self), generator=torch.Generator().manual_seed(_step_seed(self.seed, epoch)))
+            ids.append(int(order[offset]))
+        index = torch.tensor(ids)
+        tokens, labels = _windows(self.data, self.starts[index], self.seq_len)
+        return tokens, labels, index

@@ -70,18 +70,21 @@ class P2PTransport:
         self.device = torch.device(device)
         # (handle, tensor) for every send in flight: the tensor must outlive the send
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.sent_bytes = {"forward": 0, "backward": 0}  # payload bytes this transport sent
 
     def recv_forward(self, microbatch: int) -> torch.Tensor:
         return self._recv(self.prev_rank, "previous")
 
     def send_forward(self, microbatch: int, tensor: torch.Tensor) -> None:
         self._send(self.next_rank, "next", tensor)
+        self.sent_bytes["forward"] += tensor.numel() * tensor.element_size()
 
     def recv_backward(self, microbatch: int) -> torch.Tensor:
         return self._recv(self.next_rank, "next")
 
     def send_backward(self, microbatch: int, tensor: torch.Tensor) -> None:
         self._send(self.prev_rank, "previous", tensor)
+        self.sent_bytes["backward"] += tensor.numel() * tensor.element_size()
 
     def finish(self) -> None:
         for work, _ in self._pending:

@@ -24,6 +24,9 @@ from hetero.parallel.compression.collective import Collective
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
+from hetero.parallel.boundary_transport import LinkedTransport
+from hetero.parallel.compressed_p2p import CompressedNextLink, CompressedPreviousLink
+from hetero.parallel.compression.edge import EdgeEnd
 from hetero.parallel.pipeline import P2PTransport, PipelineStage, run_pipeline
 from hetero.parallel.replica_sync import ReplicaSync
 from hetero.train.optim import OptimizerConfig, build_adamw
@@ -57,7 +60,10 @@ class LMTrainer:
         seed: int = 0,
         device: torch.device | str = "cpu",
         outer_comm: Collective | None = None,
+        sample_reuse: int = 1,
     ):
+        """``sample_reuse``: the caller serves each batch for this many consecutive steps (lazy sampling),
+        which the ``lazy`` compensation of compressed pipeline edges relies on."""
         self.config = config
         self.mesh = mesh
         self.options = options or ParallelOptions()
@@ -69,6 +75,7 @@ class LMTrainer:
             errors += config.errors(name, mesh.layout, self.options)
         if compression is not None:
             errors += compression.errors(name, self._degree("cp"), self.options.fsdp)
+            errors += compression.pipeline.errors(f"{name}.compression.pipeline", sample_reuse, config.hidden_size)
         if errors:
             raise ConfigError("\n".join(errors))
         torch.manual_seed(seed)  # every rank builds the same full model, then keeps its shard
@@ -79,6 +86,16 @@ class LMTrainer:
         self.optimizer = build_adamw(self.model, opt)
         self.replicas = 1 if mesh is None else mesh.layout.dp * mesh.layout.cp
         self.replica_sync = ReplicaSync(self.model, mesh, self.options, compression, seed, outer_comm)
+        self.sample_reuse = sample_reuse
+        self.pipeline_bytes = {"forward": 0, "backward": 0}  # sent by this rank to its stage neighbours
+        self.edges: dict[str, EdgeEnd] = {}  # "previous"/"next": this rank's ends of compressed stage edges
+        edge = compression.pipeline if compression is not None else None
+        if edge is not None and edge.enabled and self._degree("pp") > 1:
+            assert mesh is not None
+            if not mesh.is_first_stage:
+                self.edges["previous"] = EdgeEnd(edge, "downstream", f"{name} stage edge")
+            if not mesh.is_last_stage:
+                self.edges["next"] = EdgeEnd(edge, "upstream", f"{name} stage edge")
 
     def _degree(self, axis: str) -> int:
         return 1 if self.mesh is None else getattr(self.mesh.layout, axis)
@@ -103,12 +120,22 @@ class LMTrainer:
             return zigzag_indices(seq_len, cp, self._coord("cp"), device=self.device)
         return torch.arange(seq_len, device=self.device)
 
-    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        """One optimizer step on the global batch; returns the global mean token loss (nats)."""
+    def train_step(
+        self, tokens: torch.Tensor, labels: torch.Tensor, sample_ids: torch.Tensor | None = None
+    ) -> float:
+        """One optimizer step on the global batch; returns the global mean token loss (nats).
+
+        ``sample_ids`` (one per row) key the ``per_sample`` compensation of compressed stage edges."""
         global_tokens = tokens.numel()
         local_tokens, local_labels = self.local_batch(tokens, labels)
         inputs = list(local_tokens.split(self.micro_batch_size))
         targets = list(local_labels.split(self.micro_batch_size))
+        if self.edges:
+            rows = tokens.shape[0] // self._degree("dp")
+            local_rows = torch.arange(rows) + self._coord("dp") * rows
+            for end in self.edges.values():
+                end.begin_step(list(local_rows.split(self.micro_batch_size)),
+                               self.step % self.sample_reuse == 0, sample_ids)
         stage_forward = StageForward(self.model, self.positions(tokens.shape[1]), self.options.precision)
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -118,14 +145,18 @@ class LMTrainer:
         parallel_loss = loss_parallel() if self._degree("tp") > 1 else contextlib.nullcontext()
         with parallel_loss:
             if self._degree("pp") > 1:
+                stage = self._pipeline_stage(stage_forward, local_tokens.shape[1])
                 losses = run_pipeline(
-                    self._pipeline_stage(stage_forward, local_tokens.shape[1]),
+                    stage,
                     self.options.pipeline_schedule,
                     len(inputs),
                     inputs if self.mesh.is_first_stage else None,  # type: ignore[union-attr]
                     targets if self.mesh.is_last_stage else None,  # type: ignore[union-attr]
                     loss_fn,
                 )
+                for link in (stage.transport.prev, stage.transport.next):  # type: ignore[attr-defined]
+                    for direction, sent in (link.sent_bytes.items() if link is not None else ()):
+                        self.pipeline_bytes[direction] += sent
             else:
                 losses = []
                 for i, (x, y) in enumerate(zip(inputs, targets)):
@@ -159,17 +190,27 @@ class LMTrainer:
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        """Mean token loss on a batch without updating anything (single-stage layouts)."""
-        if self._degree("pp") > 1:
-            raise ValueError("eval_loss runs single-stage layouts only (pp=1)")
+        """Mean token loss on a batch without updating anything. Stages exchange uncompressed fp32: this
+        measures the weights, not the edges' codecs."""
         local_tokens, local_labels = self.local_batch(tokens, labels)
         forward = StageForward(self.model, self.positions(tokens.shape[1]), self.options.precision)
         parallel_loss = loss_parallel() if self._degree("tp") > 1 else contextlib.nullcontext()
+        losses = []
         with parallel_loss:
-            loss = token_loss_sum(forward(local_tokens), local_labels) / tokens.numel()
-        return self._global_loss([loss])
+            if self._degree("pp") == 1:
+                losses.append(token_loss_sum(forward(local_tokens), local_labels) / tokens.numel())
+            else:
+                transport = self._pipeline_stage(forward, local_tokens.shape[1], compressed=False).transport
+                for x, y in zip(local_tokens.split(self.micro_batch_size), local_labels.split(self.micro_batch_size)):
+                    out = forward(x if self.mesh.is_first_stage else transport.recv_forward(0))  # type: ignore[union-attr]
+                    if self.mesh.is_last_stage:  # type: ignore[union-attr]
+                        losses.append(token_loss_sum(out, y) / tokens.numel())
+                    else:
+                        transport.send_forward(0, out)
+                transport.finish()
+        return self._global_loss(losses)
 
-    def _pipeline_stage(self, stage_forward: StageForward, local_seq: int) -> PipelineStage:
+    def _pipeline_stage(self, stage_forward: StageForward, local_seq: int, compressed: bool = True) -> PipelineStage:
         assert self.mesh is not None
         layout, coord = self.mesh.layout, self.mesh.coord
         seq = local_seq // layout.tp if self.options.sequence_parallel and layout.tp > 1 else local_seq
@@ -177,8 +218,19 @@ class LMTrainer:
         next_rank = layout.rank_at(coord._replace(pp=coord.pp + 1)) if coord.pp < layout.pp - 1 else None
         # The residual stream stays fp32 under bf16 autocast, so stages exchange fp32 activations.
         shape = (self.micro_batch_size, seq, self.config.hidden_size)
-        transport = P2PTransport(prev_rank, next_rank, shape, torch.float32, device=self.device)
-        return PipelineStage(stage_forward, coord.pp, layout.pp, transport)
+        links = []
+        for peer, side in ((prev_rank, "previous"), (next_rank, "next")):
+            end = self.edges.get(side) if compressed else None
+            if peer is None:
+                links.append(None)
+            elif end is None:
+                ranks = (peer, None) if side == "previous" else (None, peer)
+                links.append(P2PTransport(*ranks, shape, torch.float32, device=self.device))
+            elif side == "previous":
+                links.append(CompressedPreviousLink(peer, shape, end, device=self.device))
+            else:
+                links.append(CompressedNextLink(peer, shape, end, device=self.device))
+        return PipelineStage(stage_forward, coord.pp, layout.pp, LinkedTransport(*links))
 
     def _global_loss(self, losses: list[torch.Tensor]) -> float:
         total = torch.zeros((), device=self.device)

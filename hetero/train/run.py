@@ -35,13 +35,20 @@ def evaluate(trainer: VLMTrainer, heldout: DigitBatches) -> float:
 
 
 def communicator_bytes(trainer: VLMTrainer) -> dict[str, int]:
-    """Bytes every rank handed to each communicator so far, summed over the world."""
-    names = ["boundary.vision->llm.cross", "boundary.vision->llm.intra"]
-    counters = trainer.boundary.counters()
-    local = [
-        sum(v for k, v in counters.items() if k.endswith("cross_sent_bytes")),
-        sum(v for k, v in counters.items() if k.endswith("intra_sent_bytes")),
-    ]
+    """Bytes every rank handed to each communicator so far, summed over the world: per edge and
+    direction (the boundary's wire bytes, cross-module plus within replica groups; the LLM's stage
+    edges' payloads) and per gradient sync. Counts include held-out evaluation passes."""
+    counters = dict.fromkeys(trainer.boundary.counters(), 0)
+    for boundary in (trainer.boundary, trainer.compressed_boundary):
+        for key, value in (boundary.counters() if boundary is not None else {}).items():
+            counters[key] += value
+    local, names = [], []
+    for direction in ("forward", "backward"):
+        names.append(f"boundary.vision->llm.{direction}")
+        local.append(counters[f"{direction}.cross_sent_bytes"] + counters[f"{direction}.intra_sent_bytes"])
+    for direction in ("forward", "backward"):
+        names.append(f"pipeline.llm.{direction}")
+        local.append(trainer.pipeline_bytes[direction])
     for name in ("vision", "llm"):
         names.append(f"grad_sync.{name}")
         module = trainer.modules.get(name)
@@ -49,6 +56,16 @@ def communicator_bytes(trainer: VLMTrainer) -> dict[str, int]:
     totals = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(totals)
     return {name: int(value) for name, value in zip(names, totals.tolist())}
+
+
+def compensation_memory(trainer: VLMTrainer) -> dict[str, float]:
+    """Bytes held for activation-compression error compensation, the largest on any rank."""
+    ends = list(trainer.llm_edges.values())
+    edge = trainer.compressed_boundary
+    local = sum(e.memory_bytes() for e in ends) + (edge.memory_bytes() if edge is not None else 0)
+    total = torch.tensor([float(local)], dtype=torch.float64)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return {"ec_memory_bytes": float(total)}
 
 
 def residual_norms(trainer: VLMTrainer) -> dict[str, float]:
@@ -78,6 +95,7 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
     setups = {
         name: ModuleSetup(module.parallel, module.optim, module.compression) for name, module in experiment.modules.items()
     }
+    edges = {(edge.src, edge.dst): edge.compression for edge in experiment.edges}
     trainer = VLMTrainer(
         placement,
         meshes,
@@ -88,6 +106,8 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
         grad_clip=cfg.grad_clip,
         seed=experiment.seed,
         timeout_s=experiment.timeout_s,
+        boundary_compression=edges.get(("vision", "llm")),
+        sample_reuse=cfg.sample_reuse,
     )
     log = RunLog(experiment, Path(cfg.run_dir) / experiment.name, enabled=rank == 0)
     tokens_per_step = experiment.batch.global_batch_size * llm.seq_len
@@ -95,12 +115,12 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
     accuracy = float("nan")
     for step in range(1, cfg.steps + 1):
         tick = time.perf_counter()
-        metrics = trainer.train_step(data["train"].batch(step - 1))
+        metrics = trainer.train_step(data["train"].batch((step - 1) // cfg.sample_reuse))
         seconds = time.perf_counter() - tick
         if step % cfg.log_every == 0 or step == cfg.steps:
             comm = communicator_bytes(trainer)
             speed = {"tokens_per_s": tokens_per_step / seconds, "step_s": seconds}
-            log.progress(step, metrics | speed | residual_norms(trainer), comm)
+            log.progress(step, metrics | speed | residual_norms(trainer) | compensation_memory(trainer), comm)
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             accuracy = evaluate(trainer, data["heldout"])
             log.evaluation(step, accuracy, time.perf_counter() - started)

@@ -49,10 +49,12 @@ class RunLog:
             return
         traffic = " ".join(f"{name}={_bytes(value)}" for name, value in comm.items() if value)
         residuals = " ".join(f"{k}={v:.3g}" for k, v in metrics.items() if k.startswith("ef_residual.") and v)
+        if metrics.get("ec_memory_bytes"):
+            residuals += f" ec_memory={_bytes(metrics['ec_memory_bytes'])}"
         print(
             f"step {step:5d} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:8.0f} tok/s | "
             f"{metrics['step_s'] * 1e3:7.1f} ms | grad norm {metrics['grad_norm']:.3f} | {traffic}"
-            + (f" | {residuals}" if residuals else ""),
+            + (f" | {residuals.strip()}" if residuals else ""),
             flush=True,
         )
         if self.wandb is not None:

@@ -45,7 +45,11 @@ from hetero.models.vision_parallelize import parallelize_vision
 from hetero.parallel.boundary import Boundary, Side, TensorSpec
 from hetero.parallel.boundary_plan import Sharding
 from hetero.parallel.boundary_transport import BoundaryReceiver, BoundarySender, LinkedTransport
+from hetero.parallel.compressed_boundary import CompressedBoundary
+from hetero.parallel.compressed_p2p import CompressedNextLink, CompressedPreviousLink
 from hetero.parallel.compression.config import CompressionConfig
+from hetero.parallel.compression.edge import EdgeEnd
+from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 from hetero.parallel.data import local_grad
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
@@ -118,7 +122,12 @@ class VLMTrainer:
         grad_clip: float = 0.0,
         seed: int = 0,
         timeout_s: float = 300.0,
+        boundary_compression: EdgeCompressionConfig | None = None,
+        sample_reuse: int = 1,
     ):
+        """``boundary_compression``: the codecs of the vision->llm edge (the LLM's stage edges take
+        ``setups["llm"].compression.pipeline``); ``sample_reuse``: the caller serves each batch for this
+        many consecutive steps (lazy sampling, which the ``lazy`` compensation relies on)."""
         for name in ("vision", "llm"):
             if name not in placement.layouts:
                 raise ConfigError(f"the VLM trainer needs a module named {name!r}; modules are {list(placement.layouts)}")
@@ -154,6 +163,29 @@ class VLMTrainer:
             timeout_s=timeout_s,
             async_sends=self.graph_pipeline,
         )
+        # Training steps send through the compressed edges; evaluation keeps the plain ones above.
+        self.compressed_boundary = None
+        if boundary_compression is not None and boundary_compression.enabled:
+            self.compressed_boundary = CompressedBoundary(
+                "vision->llm",
+                Side(placement.layouts["vision"]),
+                Side(llm_layout),
+                TensorSpec(ndim=3, source=_image_sharding(), destination=_image_sharding()),
+                vision_config.out_size,
+                boundary_compression,
+                timeout_s=timeout_s,
+                async_sends=self.graph_pipeline,
+            )
+        self.sample_reuse = sample_reuse
+        self.pipeline_bytes = {"forward": 0, "backward": 0}  # sent between the LLM's stages by this rank
+        self.llm_edges: dict[str, EdgeEnd] = {}  # "previous"/"next": ends of compressed LLM stage edges
+        stage_edge = setups["llm"].compression.pipeline
+        llm = self.modules.get("llm")
+        if stage_edge.enabled and llm_layout.pp > 1 and llm is not None:
+            if not llm.mesh.is_first_stage:
+                self.llm_edges["previous"] = EdgeEnd(stage_edge, "downstream", "llm stage edge")
+            if not llm.mesh.is_last_stage:
+                self.llm_edges["next"] = EdgeEnd(stage_edge, "upstream", "llm stage edge")
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on the global batch (images, tokens, labels); returns loss and grad norm."""
@@ -184,6 +216,9 @@ class VLMTrainer:
 
         hits = torch.zeros(2, dtype=torch.float64)  # correct digit predictions, predictions made
         positions = None if update else batch["digit_position"]
+        self._training = update
+        if update:
+            self._begin_edges(micro, batch.get("index"))
         if self.graph_pipeline:
             losses = self._graph_schedule(images, tokens, labels, positions, hits, micro, shape, supervised)
         else:
@@ -203,6 +238,27 @@ class VLMTrainer:
         self.step += 1
         return {"loss": self._world_loss(losses), "grad_norm": grad_norm, "stepped": float(stepped)}
 
+    def _begin_edges(self, micro: int, sample_ids: torch.Tensor | None) -> None:
+        """Tell every compressed edge end this step's rows (global-batch positions) and whether the batch
+        is fresh; ``sample_ids`` (the batch's ``index``) key the per-sample compensation."""
+        fresh = self.step % self.sample_reuse == 0
+
+        def rows(name: str) -> list[torch.Tensor]:
+            module = self.modules.get(name)
+            if module is None:
+                return []
+            local = module.rows(micro)
+            return [torch.arange(local.start, local.stop) + m * micro for m in range(self.num_microbatches)]
+
+        if self.compressed_boundary is not None:
+            self.compressed_boundary.begin_step(rows("vision"), rows("llm"), fresh, sample_ids)
+        for end in self.llm_edges.values():
+            end.begin_step(rows("llm"), fresh, sample_ids)
+
+    def _boundary_edge(self) -> CompressedBoundary | None:
+        """The compressed boundary when this pass sends through it (training steps), else None."""
+        return self.compressed_boundary if self._training else None
+
     def _graph_schedule(self, images, tokens, labels, positions, hits, micro, shape, supervised):
         """One pipeline over the graph: the encoder as stage 0, then the LLM's stages."""
         vision, llm = self.modules.get("vision"), self.modules.get("llm")
@@ -210,7 +266,9 @@ class VLMTrainer:
         if vision is not None:
             rows = vision.rows(micro)
             inputs = [images[m * micro : (m + 1) * micro][rows] for m in range(self.num_microbatches)]
-            transport = LinkedTransport(None, BoundarySender(self.boundary, shape))
+            edge = self._boundary_edge()
+            link = edge.sender_link(shape) if edge is not None else BoundarySender(self.boundary, shape)
+            transport = LinkedTransport(None, link)
             run_pipeline(
                 PipelineStage(vision.model, 0, stages, transport),
                 self.placement_schedule(),
@@ -234,19 +292,25 @@ class VLMTrainer:
             for m in range(self.num_microbatches):
                 rows = vision.rows(micro)
                 image_out.append(vision.model(images[m * micro : (m + 1) * micro][rows]))
-        transfers = [
-            self.boundary.forward(image_out[m].detach() if image_out else None, shape)
-            for m in range(self.num_microbatches)
-        ]
+        edge = self._boundary_edge()
+        sent = [image_out[m].detach() if image_out else None for m in range(self.num_microbatches)]
+        if edge is not None:
+            delivered = [edge.forward(m, sent[m], shape) for m in range(self.num_microbatches)]
+        else:
+            transfers = [self.boundary.forward(sent[m], shape) for m in range(self.num_microbatches)]
+            delivered = [t.output for t in transfers]
         llm = self.modules.get("llm")
         image_grads: list[torch.Tensor | None] = [None] * self.num_microbatches
         losses: list[torch.Tensor] = []
         if llm is not None:
             losses, image_grads = self._llm_schedule(
-                llm, transfers, tokens, labels, positions, hits, micro, supervised, shape
+                llm, delivered, tokens, labels, positions, hits, micro, supervised, shape
             )
         for m in range(self.num_microbatches):
-            grad = self.boundary.backward(transfers[m], image_grads[m])
+            if edge is not None:
+                grad = edge.backward(m, image_grads[m], shape)
+            else:
+                grad = self.boundary.backward(transfers[m], image_grads[m])
             if vision is not None:
                 image_out[m].backward(grad)
         return losses
@@ -254,7 +318,7 @@ class VLMTrainer:
     def _llm_schedule(
         self,
         llm: ModuleRuntime,
-        transfers: list | None,
+        delivered: list | None,
         tokens: torch.Tensor,
         labels: torch.Tensor,
         positions: torch.Tensor | None,
@@ -263,18 +327,18 @@ class VLMTrainer:
         supervised: int,
         shape: tuple[int, ...],
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """The LLM's part of a step. ``transfers`` holds the image embeddings already delivered (phased
+        """The LLM's part of a step. ``delivered`` holds the image embeddings already delivered (phased
         schedule); None means they arrive through the graph pipeline's boundary link."""
         rows = llm.rows(micro)
         layout, coord = llm.mesh.layout, llm.mesh.coord
         first, last = llm.mesh.is_first_stage, llm.mesh.is_last_stage
-        graph = transfers is None
+        graph = delivered is None
         spans = [slice(m * micro, (m + 1) * micro) for m in range(self.num_microbatches)]
         received = []
         inputs: list = []
         if first and not graph:
             for m, span in enumerate(spans):
-                embeds = transfers[m].output.detach().requires_grad_()  # type: ignore[index]
+                embeds = delivered[m].detach().requires_grad_()  # type: ignore[index]
                 received.append(embeds)
                 inputs.append((tokens[span][rows], embeds))
         targets = [(labels[span][rows], None if positions is None else positions[span][rows]) for span in spans]
@@ -306,16 +370,24 @@ class VLMTrainer:
             if layout.pp > 1 or graph:
                 offset = 1 if graph else 0  # the encoder is stage 0 of the graph pipeline
                 activation = (rows.stop - rows.start, tokens.shape[1], self.llm_config.hidden_size)
+                edges = self.llm_edges if self._training else {}
+                edge = self._boundary_edge()
                 prev_link = None
                 if coord.pp > 0:
                     prev_rank = layout.rank_at(coord._replace(pp=coord.pp - 1))
-                    prev_link = P2PTransport(prev_rank, None, activation, torch.float32)
+                    if "previous" in edges:
+                        prev_link = CompressedPreviousLink(prev_rank, activation, edges["previous"])
+                    else:
+                        prev_link = P2PTransport(prev_rank, None, activation, torch.float32)
                 elif graph:
-                    prev_link = BoundaryReceiver(self.boundary, shape)
+                    prev_link = edge.receiver_link(shape) if edge is not None else BoundaryReceiver(self.boundary, shape)
                 next_link = None
                 if not last:
                     next_rank = layout.rank_at(coord._replace(pp=coord.pp + 1))
-                    next_link = P2PTransport(None, next_rank, activation, torch.float32)
+                    if "next" in edges:
+                        next_link = CompressedNextLink(next_rank, activation, edges["next"])
+                    else:
+                        next_link = P2PTransport(None, next_rank, activation, torch.float32)
                 losses = run_pipeline(
                     PipelineStage(_Callable(stage), offset + coord.pp, offset + layout.pp,
                                   LinkedTransport(prev_link, next_link)),
@@ -325,6 +397,9 @@ class VLMTrainer:
                     targets if last else None,
                     loss_fn,
                 )
+                for link in (prev_link, next_link) if self._training else ():
+                    for direction, sent in getattr(link, "sent_bytes", {}).items():
+                        self.pipeline_bytes[direction] += sent
             else:
                 losses = []
                 for x, y in zip(inputs, targets):
@@ -333,8 +408,10 @@ class VLMTrainer:
                     losses.append(loss.detach())
         # Under TP every replica of the LLM's first stage already holds the full gradient of the image
         # embeddings (the column-parallel layers all-reduce it); the boundary sums destination replicas,
-        # so each hands in its share (BoundaryReceiver does the same in the graph pipeline).
-        grads = [e.grad / layout.tp if e.grad is not None else torch.zeros_like(e) for e in received]
+        # so each hands in its share (BoundaryReceiver does the same in the graph pipeline). The
+        # compressed boundary copies instead of summing and takes the full gradient.
+        share = 1 if self._boundary_edge() is not None else layout.tp
+        grads = [e.grad / share if e.grad is not None else torch.zeros_like(e) for e in received]
         return losses, grads or [None] * self.num_microbatches
 
     def _clip_world_wide(self) -> float:

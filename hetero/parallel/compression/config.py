@@ -6,11 +6,17 @@
     llm:
       compression:
         diloco: {inner_steps: 32, pseudo_grad: {method: int4}}
+        pipeline: {forward: {method: int2}, backward: {method: int4}}   # between its PP stages
+
+``pipeline`` is described and checked in ``edge_config`` (its checks need the hidden size and
+``train.sample_reuse``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 
 METHODS = ("none", "topk", "randomk", "int8", "int4", "powersgd")
 FEEDBACK = ("auto", "ef", "ef21", "none")
@@ -86,9 +92,12 @@ class DiLoCoConfig:
 class CompressionConfig:
     grad: CompressorConfig = field(default_factory=CompressorConfig)  # per-step gradient sync
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)  # replaces the per-step sync when on
+    # activations and their gradients between this module's pipeline stages
+    pipeline: EdgeCompressionConfig = field(default_factory=EdgeCompressionConfig)
 
     @property
     def compresses(self) -> bool:
+        """Whether the gradient sync or the optimizer step is compressed (pipeline traffic aside)."""
         return self.grad.method != "none" or self.diloco.enabled
 
     def errors(self, module: str, cp: int = 1, fsdp: bool = False) -> list[str]:

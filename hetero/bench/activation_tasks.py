@@ -1,0 +1,118 @@
+"""The two tasks of ``bench activation-compression``, run by hetero's trainers on 2 ranks.
+
+- ``llm_pp2``: the byte-level GPT of ``bench compression`` (h64, 2 layers, seq 64) split into two pipeline
+  stages on ranks 0 and 1 (1F1B, 4 microbatches of 4), trained on a finite set of fixed windows of
+  Python's standard-library sources (``WindowSet``: sample ids for the per-sample cache). Compressed edge:
+  the stage edge. Score: held-out token loss (nats).
+- ``vlm``: the digits vision-language model with the encoder on rank 0 and the LLM on rank 1 (non-colocated:
+  one pipeline over the module graph, 2 microbatches of 8). Compressed edge: the vision->llm boundary.
+  Score: held-out loss, with the caption digit's accuracy beside it.
+
+A method is an ``EdgeCompressionConfig`` (None: uncompressed) and a sampling reuse. A rank function
+trains every method of one seed in turn (starting ranks costs seconds) and returns, per method, the
+held-out score, the bytes every rank sent on the compressed edge during training (both directions), and
+the largest error-compensation memory on a rank at the end. Evaluation sends fp32 (it measures weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hetero.bench.compression_tasks import GLOBAL_BATCH, HELDOUT_BATCHES, TEXT_MODEL, text_optim
+from hetero.config import load_experiment, validate
+from hetero.data.digits import DigitBatches
+from hetero.data.text import WindowSet, heldout_batches, load_stdlib_corpus
+from hetero.parallel.compression.config import CompressionConfig
+from hetero.parallel.compression.edge_config import EdgeCompressionConfig
+from hetero.parallel.layout import LayoutSpec
+from hetero.parallel.mesh import build_module_meshes
+from hetero.parallel.placement import place
+from hetero.train.lm import LMTrainer
+from hetero.train.vlm import ModuleSetup, VLMTrainer
+
+LM_MICRO_BATCH = 4
+VLM_MICROBATCHES = 2
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    edge: EdgeCompressionConfig | None = None  # None: the uncompressed path
+    reuse: int = 1  # each batch serves this many consecutive steps
+
+
+def run_llm_pp2(rank: int, world_size: int, methods: list[Method], seed: int, steps: int,
+                train_samples: int = 1024) -> dict[str, dict]:
+    corpus = load_stdlib_corpus()
+    train = WindowSet(corpus.train, train_samples, TEXT_MODEL.seq_len, seed)
+    heldout = heldout_batches(corpus.heldout, GLOBAL_BATCH, TEXT_MODEL.seq_len, HELDOUT_BATCHES)
+    out = {}
+    for method in methods:
+        mesh = build_module_meshes(place({"llm": LayoutSpec(pp=world_size)}, world_size))["llm"]
+        compression = CompressionConfig(pipeline=method.edge) if method.edge is not None else None
+        trainer = LMTrainer(TEXT_MODEL, mesh, micro_batch_size=LM_MICRO_BATCH, optimizer=text_optim(steps),
+                            compression=compression, seed=seed, sample_reuse=method.reuse)
+        for step in range(steps):
+            tokens, labels, ids = train.batch(step // method.reuse, GLOBAL_BATCH)
+            trainer.train_step(tokens, labels, ids)
+        sent = sum(trainer.pipeline_bytes.values())
+        memory = sum(end.memory_bytes() for end in trainer.edges.values())
+        loss = sum(trainer.eval_loss(x, y) for x, y in heldout) / len(heldout)
+        out[method.name] = {"loss": loss, "accuracy": None} | _world(sent, memory)
+    return out
+
+
+def vlm_experiment(steps: int):
+    overrides = [
+        "world_size=2", "placement=non_colocated", "vision.layout.dp=1", "llm.layout.tp=1", "llm.layout.dp=1",
+        "llm.layout.offset=1", f"batch.global_batch_size={GLOBAL_BATCH}",
+        f"batch.micro_batch_size={GLOBAL_BATCH // VLM_MICROBATCHES}",
+        f"vision.optim.decay_steps={steps}", f"llm.optim.decay_steps={steps}",
+    ]
+    return load_experiment("non_colocated_vlm", overrides)
+
+
+def run_vlm(rank: int, world_size: int, methods: list[Method], seed: int, steps: int) -> dict[str, dict]:
+    experiment = vlm_experiment(steps)
+    placement = validate(experiment)
+    vision, llm = experiment.model_config("vision"), experiment.model_config("llm")
+    data_dir = experiment.train.data_dir
+    train = DigitBatches(data_dir, "train", GLOBAL_BATCH, vision.num_patches, llm.seq_len, seed)
+    heldout = DigitBatches(data_dir, "heldout", GLOBAL_BATCH, vision.num_patches, llm.seq_len, seed).ordered_batches()
+    heldout = [b for b in heldout if len(b["images"]) == GLOBAL_BATCH]
+    out = {}
+    for method in methods:
+        trainer = VLMTrainer(
+            placement, build_module_meshes(placement), vision, llm, num_microbatches=VLM_MICROBATCHES,
+            setups={n: ModuleSetup(m.parallel, m.optim, m.compression) for n, m in experiment.modules.items()},
+            grad_clip=experiment.train.grad_clip, seed=seed, boundary_compression=method.edge,
+            sample_reuse=method.reuse,
+        )
+        for step in range(steps):
+            trainer.train_step(train.batch(step // method.reuse))
+        sent = 0
+        for boundary in (trainer.boundary, trainer.compressed_boundary):
+            counters = boundary.counters() if boundary is not None else {}
+            sent += sum(v for k, v in counters.items() if k.endswith(("cross_sent_bytes", "intra_sent_bytes")))
+        memory = trainer.compressed_boundary.memory_bytes() if trainer.compressed_boundary is not None else 0
+        scores = [trainer.evaluate(b) for b in heldout]
+        out[method.name] = {
+            "loss": sum(s["loss"] for s in scores) / len(scores),
+            "accuracy": sum(s["accuracy"] for s in scores) / len(scores),
+        } | _world(sent, memory)
+    return out
+
+
+def _world(sent: int, memory: int) -> dict:
+    """Bytes summed over the ranks, compensation memory of the rank holding the most."""
+    totals = torch.tensor([float(sent)], dtype=torch.float64)
+    dist.all_reduce(totals)
+    largest = torch.tensor([float(memory)], dtype=torch.float64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return {"bytes": float(totals), "memory": float(largest)}
+
+
+TASKS = {"llm_pp2": run_llm_pp2, "vlm": run_vlm}

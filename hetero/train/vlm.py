@@ -16,6 +16,10 @@ modules, so they run in phases, on every rank in one order (DESIGN §4):
    across the world, and each module's optimizer step — or a skipped step everywhere if any gradient
    is not finite.
 
+Training steps can send compressed payloads over the boundary (``boundary_compression``, a
+``CompressedBoundary``) and between the LLM's stages (``compression.pipeline`` of the LLM's setup);
+evaluation always sends fp32 through the plain links, so it measures the weights.
+
 In the phased schedule boundary calls come in the same order on both sides (all forwards, then all
 backwards), so they pair without depending on buffered sends; in the graph pipeline the boundary posts
 its sends asynchronously, as P2P stages do. Each microbatch loss is a token-loss sum divided by the global

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_boundary import reference_indices, take
@@ -175,6 +177,31 @@ def test_compressed_pipeline_matches_one_process_emulation(forward, backward, co
     backward = STEPS * microbatches * payload_bytes(build_activation_codec(config.backward), shape)
     assert results[0][2] == {"forward": forward, "backward": 0}
     assert results[1][2] == {"forward": 0, "backward": backward}
+
+
+def train_lm_with_resume(rank: int, world_size: int, edge_config: EdgeCompressionConfig, directory: str) -> list[float]:
+    """Save after step 3 (inside a lazy reuse window), resume in a fresh trainer, train on."""
+    mesh = build_module_meshes(place({"llm": LayoutSpec(pp=2)}, world_size))["llm"]
+
+    def new_trainer() -> LMTrainer:
+        return LMTrainer(GPT_CONFIG, mesh, micro_batch_size=MICRO, optimizer=OPTIM_LM,
+                         compression=CompressionConfig(pipeline=edge_config), seed=SEED, sample_reuse=REUSE)
+
+    data, cut = lm_batches(), 3
+    first = new_trainer()
+    losses = [first.train_step(*batch) for batch in data[:cut]]
+    path = os.path.join(directory, f"rank{rank}.pt")
+    torch.save(first.state_dict(), path)
+    second = new_trainer()
+    second.load_state_dict(torch.load(path, weights_only=False))
+    return losses + [second.train_step(*batch) for batch in data[cut:]]
+
+
+def test_resumed_compressed_pipeline_continues_bitwise(tmp_path):
+    config = edge("int2", "int4", refresh="int4")
+    straight = run_ranks(train_lm, 2, config, timeout_s=300)[0][0]
+    resumed = run_ranks(train_lm_with_resume, 2, config, str(tmp_path), timeout_s=300)
+    assert resumed[0] == resumed[1] == straight
 
 
 # ---------------------------------------------------------------------------------- the VLM

@@ -174,12 +174,14 @@ class LMTrainer:
         return self._global_loss(losses)
 
     def state_dict(self) -> dict:
-        """Everything a resumed run needs on this rank: weights, optimizer, step, replica-sync buffers."""
+        """Everything a resumed run needs on this rank: weights, optimizer, step, replica-sync buffers and
+        the compensation state of compressed stage edges."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "replica_sync": self.replica_sync.state_dict(),
+            "edges": {side: end.state_dict() for side, end in self.edges.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -187,6 +189,8 @@ class LMTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.replica_sync.load_state_dict(state["replica_sync"])
+        for side, end in self.edges.items():
+            end.load_state_dict(state["edges"][side])
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:

@@ -63,6 +63,12 @@ class RowStore:
     def clear(self) -> None:
         self.rows.clear()
 
+    def state_dict(self) -> dict[int, torch.Tensor]:
+        return dict(self.rows)
+
+    def load_state_dict(self, rows: dict[int, torch.Tensor]) -> None:
+        self.rows = {int(key): row.clone() for key, row in rows.items()}
+
     def nbytes(self) -> int:
         return sum(row.numel() * row.element_size() for row in self.rows.values())
 
@@ -149,6 +155,14 @@ class EdgeEnd:
 
     def decode_backward(self, microbatch: int, parts: Parts, hidden: int) -> torch.Tensor:
         return self.backward_codec.decode(parts, hidden)
+
+    def state_dict(self) -> dict:
+        """The compensation state: a resumed run sends exactly what the uninterrupted one would."""
+        return {"reference": self.reference.state_dict(), "residual": self.residual.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reference.load_state_dict(state["reference"])
+        self.residual.load_state_dict(state["residual"])
 
     def memory_bytes(self) -> int:
         """Bytes held for error compensation on this rank's end."""

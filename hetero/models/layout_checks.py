@@ -67,3 +67,27 @@ def shape_errors(module: str, **positive: int) -> list[str]:
     return [
         f"{module}.model.{name}={value} must be >= 1" for name, value in positive.items() if value < 1
     ]
+
+
+def patch_model_errors(
+    module: str, layout: Layout, what: str, *, size_field: str, size: int, patch_size: int, hidden_size: int,
+    num_heads: int,
+) -> list[str]:
+    """What a transformer over image patches (``what``, e.g. "the vision encoder") needs of its sizes
+    and layout: patches that tile the image, heads that split the width, and no cp or pp."""
+    errors = []
+    if size % patch_size:
+        errors.append(
+            f"{module}.model.patch_size={patch_size} does not divide {module}.model.{size_field}={size}"
+        )
+    if hidden_size % num_heads:
+        errors.append(
+            f"{module}.model.num_heads={num_heads} does not divide {module}.model.hidden_size={hidden_size}; "
+            f"pick a head count that divides it"
+        )
+    if layout.cp > 1 or layout.pp > 1:
+        errors.append(
+            f"{module}: {what} runs with cp=1 and pp=1 (got cp={layout.cp}, pp={layout.pp}); its sequence "
+            f"is short: spread it with dp or tp instead"
+        )
+    return errors

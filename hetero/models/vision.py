@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetero.models.layout_checks import shape_errors, transformer_layout_errors
+from hetero.models.layout_checks import patch_model_errors, shape_errors, transformer_layout_errors
 from hetero.parallel.layout import Layout
 from hetero.parallel.options import ParallelOptions
 
@@ -52,21 +52,10 @@ class ViTConfig:
         )
         if errors:
             return errors
-        if self.image_size % self.patch_size:
-            errors.append(
-                f"{module}.model.patch_size={self.patch_size} does not divide "
-                f"{module}.model.image_size={self.image_size}"
-            )
-        if self.hidden_size % self.num_heads:
-            errors.append(
-                f"{module}.model.num_heads={self.num_heads} does not divide "
-                f"{module}.model.hidden_size={self.hidden_size}; pick a head count that divides it"
-            )
-        if layout.cp > 1 or layout.pp > 1:
-            errors.append(
-                f"{module}: the vision encoder runs with cp=1 and pp=1 (got cp={layout.cp}, "
-                f"pp={layout.pp}); its sequence is short: spread it with dp or tp instead"
-            )
+        errors += patch_model_errors(
+            module, layout, "the vision encoder", size_field="image_size", size=self.image_size,
+            patch_size=self.patch_size, hidden_size=self.hidden_size, num_heads=self.num_heads,
+        )
         if not -self.num_layers <= self.feature_layer < self.num_layers:
             errors.append(
                 f"{module}.model.feature_layer={self.feature_layer} is not a layer of a "

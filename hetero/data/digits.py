@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hetero.data import shard_command
 from hetero.data.shards import MANIFEST, ShardError, load_manifest, read_split, write_shard_set
 from hetero.data.text import encode
 from hetero.errors import ConfigError
@@ -281,22 +282,12 @@ def dp_slice(batch: Mapping[str, torch.Tensor], dp_rank: int, dp_size: int) -> d
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``digits`` under ``subparsers`` (e.g. of ``hetero data``); it runs via ``args.run(args)``."""
-    parser = subparsers.add_parser("digits", help=_CLI_HELP, description=_CLI_HELP)
-    _add_arguments(parser)
-    parser.set_defaults(run=_run)
-    return parser
+    return shard_command.register(subparsers, "digits", _CLI_HELP, _add_arguments, _run)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hetero.data.digits --out DIR``: the same command without the ``hetero`` wrapper."""
-    parser = argparse.ArgumentParser(prog="hetero data digits", description=_CLI_HELP)
-    _add_arguments(parser)
-    try:
-        _run(parser.parse_args(argv))
-    except ConfigError as err:
-        print(f"hetero: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return shard_command.main("hetero data digits", _CLI_HELP, _add_arguments, _run, argv)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from hetero.data.digits import SPLITS, DigitBatches, heldout_mask
+from hetero.data import shard_command
 from hetero.data.shards import MANIFEST, ShardError, load_manifest, read_split, write_shard_set
 from hetero.errors import ConfigError
 
@@ -357,23 +358,13 @@ class VideoClips(DigitBatches):
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``video-clips`` under ``subparsers`` (e.g. of ``hetero data``); it runs via ``args.run``."""
-    parser = subparsers.add_parser("video-clips", help=_CLI_HELP, description=_CLI_HELP)
-    _add_arguments(parser)
-    parser.set_defaults(run=_run)
-    return parser
+    """Register ``video-clips`` under ``subparsers`` (e.g. of ``hetero data``); it runs via ``args.run(args)``."""
+    return shard_command.register(subparsers, "video-clips", _CLI_HELP, _add_arguments, _run)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hetero.data.video_clips --out DIR``."""
-    parser = argparse.ArgumentParser(prog="hetero data video-clips", description=_CLI_HELP)
-    _add_arguments(parser)
-    try:
-        _run(parser.parse_args(argv))
-    except ConfigError as err:
-        print(f"hetero: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return shard_command.main("hetero data video-clips", _CLI_HELP, _add_arguments, _run, argv)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

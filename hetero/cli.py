@@ -47,6 +47,7 @@ BENCHMARKS = {
     "boundary": "hetero.bench.boundary",
     "compression": "hetero.bench.compression",
     "overhead": "hetero.bench.overhead",
+    "video-memory": "hetero.bench.video_memory",
     "vlm": "hetero.bench.vlm",
 }
 

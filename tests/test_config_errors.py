@@ -240,3 +240,23 @@ def test_launcher_world_size_must_match_before_any_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match=r"needs world_size=6 ranks but the launcher started 4 .*--nproc_per_node=6"):
         init_distributed(placement)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("video.model.memory.budget=0", r"video\.model\.memory\.budget=0 must be > 0"),
+        ("video.model.memory.window=9", r"video\.model\.memory\.window=9 exceeds budget=8"),
+        ("video.model.memory.policy=lru", r"video\.model\.memory\.policy='lru' is not one of"),
+        ("world_size=3 video.layout.tp=3", r"video\.layout\.tp=3 does not divide video\.model\.num_heads=4"),
+    ],
+)
+def test_video_memory_and_layout_errors_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_experiment("video", override.split()))
+
+
+def test_video_sink_must_leave_room_in_the_budget():
+    overrides = ["video.model.memory.policy=sink_window", "video.model.memory.sink=8"]
+    with pytest.raises(ConfigError, match=r"video\.model\.memory\.sink=8 fills the whole budget=8"):
+        validate(load_experiment("video", overrides))

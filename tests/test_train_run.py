@@ -5,16 +5,19 @@ import subprocess
 import sys
 
 
-def test_hetero_train_runs_the_colocated_vlm(tmp_path):
-    overrides = [
-        "train.steps=4", "train.log_every=2", "train.eval_every=0",
-        f"train.data_dir={tmp_path / 'digits'}", f"train.run_dir={tmp_path / 'runs'}",
-    ]
+def hetero_train(tmp_path, experiment, *overrides, data="digits"):
+    """``hetero train experiment`` in ``tmp_path`` with data and runs under it; the finished process."""
+    paths = [f"train.data_dir={tmp_path / data}", f"train.run_dir={tmp_path / 'runs'}"]
     done = subprocess.run(
-        [sys.executable, "-m", "hetero.cli", "train", "colocated_vlm", *overrides],
+        [sys.executable, "-m", "hetero.cli", "train", experiment, *overrides, *paths],
         capture_output=True, text=True, timeout=400, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_hetero_train_runs_the_colocated_vlm(tmp_path):
+    done = hetero_train(tmp_path, "colocated_vlm", "train.steps=4", "train.log_every=2", "train.eval_every=0")
     out = done.stdout
     assert "--nproc_per_node=4" in out
     assert "step     2 | loss" in out and "step     4 | loss" in out
@@ -39,16 +42,8 @@ def test_hetero_train_refuses_a_bad_override_before_starting(tmp_path):
 def test_hetero_train_runs_a_compression_policy_per_module(tmp_path):
     """compressed_vlm: int8 + error feedback for the encoder, DiLoCo with int4 pseudo-gradients for the LLM
     (here H=2, so rounds happen within the 4 steps, on the LLM's tp2·dp2 DTensor shards)."""
-    overrides = [
-        "train.steps=4", "train.log_every=2", "train.eval_every=0", "train.wandb=disabled",
-        "llm.compression.diloco.inner_steps=2",
-        f"train.data_dir={tmp_path / 'digits'}", f"train.run_dir={tmp_path / 'runs'}",
-    ]
-    done = subprocess.run(
-        [sys.executable, "-m", "hetero.cli", "train", "compressed_vlm", *overrides],
-        capture_output=True, text=True, timeout=400, cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = hetero_train(tmp_path, "compressed_vlm", "train.steps=4", "train.log_every=2", "train.eval_every=0",
+                        "train.wandb=disabled", "llm.compression.diloco.inner_steps=2")
     lines = [line for line in done.stdout.splitlines() if line.startswith("step     4 | loss")]
     assert len(lines) == 1
     assert "ef_residual.vision=" in lines[0]  # int8 with error feedback keeps a residual
@@ -59,16 +54,22 @@ def test_hetero_train_compresses_boundary_and_pipeline_traffic(tmp_path):
     """compressed_edges_vlm: 2-bit activations forward, 4-bit gradients back on the vision->llm boundary and
     the LLM's stage edge, with lazy sampling; the progress line shows each edge's bytes per direction and
     the error-compensation memory."""
-    overrides = [
-        "train.steps=4", "train.log_every=4", "train.eval_every=0", "train.wandb=disabled",
-        f"train.data_dir={tmp_path / 'digits'}", f"train.run_dir={tmp_path / 'runs'}",
-    ]
-    done = subprocess.run(
-        [sys.executable, "-m", "hetero.cli", "train", "compressed_edges_vlm", *overrides],
-        capture_output=True, text=True, timeout=400, cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = hetero_train(tmp_path, "compressed_edges_vlm", "train.steps=4", "train.log_every=4",
+                        "train.eval_every=0", "train.wandb=disabled")
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("step     4 | loss")]
     for name in ("boundary.vision->llm.forward", "boundary.vision->llm.backward", "pipeline.llm.forward",
                  "pipeline.llm.backward", "ec_memory"):
         assert f"{name}=" in line, line
+
+
+def test_hetero_train_runs_the_video_generator_with_a_learned_memory(tmp_path):
+    """video: the generator under tp2 with the learned memory (router trained alongside); clip shards
+    written on first use, progress lines, the held-out next-frame error on revisited and all frames."""
+    done = hetero_train(tmp_path, "video", "train.steps=2", "train.log_every=1", "train.eval_every=0",
+                        "train.wandb=disabled", data="clips")
+    out = done.stdout
+    assert "--nproc_per_node=2" in out
+    assert "step     2 | loss" in out
+    assert "held-out next-frame MSE: revisited" in out
+    assert "summary: steps 2" in out
+    assert (tmp_path / "clips" / "manifest.json").is_file()

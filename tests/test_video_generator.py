@@ -16,12 +16,13 @@ from hetero.models.video import (
     VideoConfig,
     VideoGenerator,
     context_schedule,
-    flow_matching_loss,
     patchify,
     training_distances,
     unpatchify,
 )
-from hetero.models.video_memory import MemoryConfig
+from hetero.models.video_memory import FrameMemory, MemoryConfig
+from hetero.models.video_router import ImportanceRouter, ema_importance, sparsity
+from hetero.models.video_objectives import clip_attention, flow_matching_loss, sequence_tokens
 
 CONFIG = VideoConfig(frame_size=16, patch_size=4, hidden_size=32, num_layers=2, num_heads=4, max_distance=16)
 MEMORIES = {
@@ -101,3 +102,59 @@ def test_generation_predicts_frames_of_the_right_shape_under_a_flat_kv_budget():
         cache.append(frame)
         sizes.append(cache.kv_bytes())
     assert max(sizes) == sizes[2] == sizes[-1]  # flat once the budget is full
+
+
+def test_ema_importance_is_what_the_memory_tracks():
+    scores = torch.rand(9, 9, generator=torch.Generator().manual_seed(3))
+    memory = MemoryConfig(policy="learned", budget=9, window=2, ema=0.8)
+    book = FrameMemory(memory)
+    importance = ema_importance(scores, memory.ema)
+    for t in range(9):
+        book.update_importance({j: float(scores[j, t]) for j in book.kept})
+        book.admit(t, torch.ones(2), float(scores[t, t]))
+        for j, value in book.importance.items():
+            assert abs(value - importance[j, t].item()) < 1e-6, (j, t)
+
+
+def test_learned_memory_training_pass_is_the_cached_generation_loop():
+    """The router's scores pick the frames; kept frames older than the fast window get their
+    log-importance as a score bias; both the same in the training pass and the KV-cached loop."""
+    torch.manual_seed(0)
+    model = VideoGenerator(CONFIG).eval()
+    router = ImportanceRouter(CONFIG.hidden_size)
+    memory = MemoryConfig(policy="learned", budget=4, window=2)
+    frames = clip_frames()
+    patches = patchify(frames, CONFIG.patch_size)
+    count, per_frame = patches.shape[1], patches.shape[2]
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        summaries = model.frame_summary(patches)[0]
+        distances, bias, importance = clip_attention(model, summaries, memory, router)
+        noisy = torch.randn(1, count - 1, per_frame, CONFIG.patch_dim, generator=gen)
+        tau = torch.rand(1, count - 1, generator=gen)
+        parallel = model(sequence_tokens(model, patches, noisy, tau), distances, bias)[0, count * per_frame :]
+        parallel = parallel.reshape(count - 1, per_frame, -1)
+        cache = FrameCache(model, memory, router)
+        evictions = 0
+        for t in range(1, count):
+            cache.append(patches[0, t - 1 : t])
+            evictions += t - len(cache.book.kept)
+            velocity, _ = cache._run(model.embed_noisy(noisy[:, t - 1 : t], tau[:, t - 1 : t]).squeeze(1))
+            torch.testing.assert_close(velocity[0], parallel[t - 1], rtol=1e-5, atol=1e-5)
+    assert evictions > 0 and len(cache.book.kept) == memory.budget
+    assert bias.min() < -0.1  # old frames were down-weighted, so the bias took part in the comparison
+
+
+def test_soft_memory_sees_every_earlier_frame_and_fades_the_unimportant():
+    torch.manual_seed(0)
+    model = VideoGenerator(CONFIG)
+    router = ImportanceRouter(CONFIG.hidden_size)
+    memory = MemoryConfig(policy="learned", budget=4, window=2)
+    patches = patchify(clip_frames(), CONFIG.patch_size)[0]
+    per_frame = patches.shape[1]
+    distances, bias, importance = clip_attention(model, model.frame_summary(patches), memory, router, soft=True)
+    clean_rows = distances[: patches.shape[0] * per_frame : per_frame, : patches.shape[0] * per_frame : per_frame]
+    assert bool((clean_rows.tril() >= 0).all())  # clean frame t sees every frame j <= t
+    assert bias.requires_grad
+    (bias.sum() + sparsity(importance, memory.window)).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in router.parameters())

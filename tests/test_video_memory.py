@@ -4,6 +4,7 @@ The scripted streams use one-hot keys so every cosine is exactly 0 or 1, and the
 each admit is worked out by hand from the policy's rule (the comments give the reasoning).
 """
 
+import math
 import pytest
 import torch
 
@@ -84,8 +85,9 @@ def test_slow_fast_scripted_stream():
     assert memory.positions() == [0, 1, 2, 3, 4]
 
 
-def test_slow_fast_full_slow_memory_drops_its_oldest_keyframe():
-    # budget 4 = sink 1 + window 1 + slow capacity 2; alternating keys make every leaving frame a keyframe.
+def test_slow_fast_full_slow_memory_drops_the_oldest_of_equally_redundant_keyframes():
+    # budget 4 = sink 1 + window 1 + slow capacity 2; alternating keys make every leaving frame a keyframe,
+    # and every keyframe repeats another kept frame, so the oldest goes.
     memory = FrameMemory(MemoryConfig(policy="slow_fast", budget=4, sink=1, window=1))
     kept, evicted = [], []
     for frame, key in enumerate([A, B, A, B, A, B]):
@@ -94,6 +96,19 @@ def test_slow_fast_full_slow_memory_drops_its_oldest_keyframe():
     assert kept == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 2, 3, 4], [0, 3, 4, 5]]
     assert evicted == [[], [], [], [], [1], [2]]
     assert (memory.sink, memory.slow, memory.fast) == ([0], [3, 4], [5])
+
+
+def test_slow_fast_full_slow_memory_drops_its_most_redundant_keyframe():
+    # budget 4 = sink 1 + window 1 + slow capacity 2. Keyframes 1 (scene A), 2 (scene B) and 3 (B, moved:
+    # cosine 0.9 with 2, a keyframe under similarity 0.95): 2 and 3 are the redundant pair, so the older of
+    # them goes and the only keyframe of A stays (oldest-first would have dropped it).
+    s, a, b, c = torch.eye(5)[:4]
+    b_moved = 0.9 * b + math.sqrt(1 - 0.81) * c
+    keys = [s, a, b, b_moved, torch.eye(5)[4]]
+    memory = FrameMemory(MemoryConfig(policy="slow_fast", budget=4, sink=1, window=1, similarity=0.95))
+    evicted = [memory.admit(frame, key) for frame, key in enumerate(keys)]
+    assert evicted[-1] == [2]
+    assert (memory.sink, memory.slow, memory.fast) == ([0], [1, 3], [4])
 
 
 @pytest.mark.parametrize("similarity, keyframe", [(0.9, True), (0.7, False)])

@@ -2,6 +2,7 @@
 name only these."""
 
 from hetero.models.gpt import GPTConfig
+from hetero.models.video import VideoConfig
 from hetero.models.vision import ViTConfig
 
-MODEL_CONFIGS: dict[str, type] = {"gpt": GPTConfig, "vit": ViTConfig}
+MODEL_CONFIGS: dict[str, type] = {"gpt": GPTConfig, "vit": ViTConfig, "video": VideoConfig}

@@ -10,7 +10,8 @@ admitted frame it names the frames to evict, and the model drops their keys and 
     sink_window  the first ``sink`` frames forever, plus the last ``budget - sink``
     slow_fast    sink frames + slow keyframes + a fast window of the last ``window`` frames: a frame leaving
                  the fast window becomes a keyframe only if its key differs enough from the last keyframe's,
-                 so a long static stretch costs one slot instead of all of them (Context Forcing)
+                 so a long static stretch costs one slot instead of all of them, and a full slow memory
+                 drops its most redundant keyframe (Context Forcing)
     learned      the last ``window`` frames, plus the older frames with the highest EMA importance (L2M)
 
 Every bounded policy hands the model positions ``0..len(kept)-1`` (slot order) rather than frame indices,
@@ -225,7 +226,10 @@ class FrameMemory:
     def _slow_fast_evictions(self) -> list[int]:
         """The frame that just left the fast window becomes a keyframe if its key is unlike the last
         keyframe's (the last sink frame's while there is none, or unconditionally with no sink either);
-        otherwise it is dropped. A full slow memory then drops its oldest keyframe."""
+        otherwise it is dropped. A full slow memory then drops its most redundant keyframe: the one most
+        like another sink frame or keyframe (the oldest of those on ties), so every distinct scene
+        keeps a keyframe for as long as the room allows and a long stretch of one scene does not push
+        the others out."""
         config = self.config
         n_sink, n_fast = self._slow_fast_split()
         if self._admitted <= config.sink + config.window:
@@ -237,4 +241,13 @@ class FrameMemory:
             if cosine >= config.similarity:
                 return [leaving]
         capacity = config.budget - config.sink - config.window
-        return slow[: max(len(slow) - capacity, 0)]
+        evicted: list[int] = []
+        while len(slow) > capacity:
+            held = self._kept[:n_sink] + slow
+            keys = torch.stack([self._keys[f] for f in held])
+            cosine = F.cosine_similarity(keys[:, None], keys[None], dim=-1).fill_diagonal_(-2.0)
+            redundancy = cosine.max(1).values[n_sink:]
+            gone = slow[int(torch.argmax(redundancy))]  # argmax takes the first (oldest) maximum
+            slow.remove(gone)
+            evicted.append(gone)
+        return sorted(evicted)

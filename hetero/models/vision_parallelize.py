@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hetero.models.vision import VisionEncoder
-from hetero.parallel.blocks import wrap_blocks
+from hetero.parallel.blocks import attention_mlp_plan, wrap_blocks
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 
@@ -18,18 +18,7 @@ def parallelize_vision(model: VisionEncoder, mesh: ModuleMesh, options: Parallel
     if mesh.layout.tp > 1:
         tp_mesh = mesh.mesh["tp"]
         for block in model.layers.values():
-            parallelize_module(
-                block,
-                tp_mesh,
-                {
-                    "attention.wq": ColwiseParallel(),
-                    "attention.wk": ColwiseParallel(),
-                    "attention.wv": ColwiseParallel(),
-                    "attention.wo": RowwiseParallel(),
-                    "mlp.w1": ColwiseParallel(),
-                    "mlp.w2": RowwiseParallel(),
-                },
-            )
+            parallelize_module(block, tp_mesh, attention_mlp_plan("mlp."))
         parallelize_module(model, tp_mesh, {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})
     wrap_blocks(model, model.layers, mesh, options)
     return model

@@ -1,13 +1,28 @@
-"""The last steps every model's plan applies to its blocks: activation checkpointing, then FSDP2."""
+"""What every model's plan applies to its blocks: the TP plan of an attention + MLP block, then activation
+checkpointing and FSDP2."""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hetero.parallel.fsdp import apply_fsdp
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
+
+
+def attention_mlp_plan(mlp: str) -> dict:
+    """TP plan of a block with ``attention.wq/wk/wv/wo`` and an MLP ``{mlp}w1``/``{mlp}w2``: heads and the
+    MLP's hidden units split over TP, the output projections reduce."""
+    return {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        f"{mlp}w1": ColwiseParallel(),
+        f"{mlp}w2": RowwiseParallel(),
+    }
 
 
 def wrap_blocks(model: nn.Module, blocks: nn.ModuleDict, mesh: ModuleMesh, options: ParallelOptions) -> None:

@@ -1,4 +1,5 @@
-"""Train an experiment's vision-language model on the digits shards: the job ``torchrun`` launches.
+"""Train an experiment: the job ``torchrun`` launches. A vision-language model trains on the digits shards
+(here); an experiment of one ``video`` module trains in ``hetero.train.video_run``.
 
     torchrun --nproc_per_node 4 -m hetero.train.run experiment=colocated_vlm [overrides]
 
@@ -78,6 +79,10 @@ def residual_norms(trainer: VLMTrainer) -> dict[str, float]:
 
 
 def train(experiment: ExperimentConfig) -> dict[str, float]:
+    if [m.kind for m in experiment.modules.values()] == ["video"]:
+        from hetero.train.video_run import train_video
+
+        return train_video(experiment)
     placement = validate(experiment)
     rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
     meshes = build_module_meshes(placement, experiment.timeout_s)

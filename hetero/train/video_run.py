@@ -1,0 +1,124 @@
+"""Train an experiment's video generator on the revisit-clip shards: the job for a ``video`` module.
+
+    hetero train video            (torchrun -m hetero.train.run experiment=video)
+
+The generator runs under its module's layout (TP over heads, DP over clips; ``video_parallelize``) and
+learns by flow matching under its configured memory policy (``model.memory``). Under ``learned`` the
+generator trains on random keeps while the importance router trains by distillation from the same
+generator with the full context (L2M). Rank 0 logs progress to stdout and wandb and, at every
+evaluation, the held-out next-frame error on revisited and on all frames.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hetero.config import ExperimentConfig, validate
+from hetero.data.digits import dp_slice
+from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards
+from hetero.models.video import VideoGenerator
+from hetero.models.video_objectives import distillation_loss, flow_matching_loss, next_frame_errors
+from hetero.models.video_parallelize import parallelize_video
+from hetero.models.video_router import ImportanceRouter
+from hetero.parallel.data import AllReduceGradSync
+from hetero.parallel.mesh import build_module_meshes, init_distributed
+from hetero.train.optim import build_adamw
+from hetero.train.run_log import RunLog
+
+CLIPS = {"train": 512, "heldout": 64}
+ROUTER_SPARSITY = 0.002
+
+
+def to_model(frames: torch.Tensor) -> torch.Tensor:
+    """Pixels in [0, 1] -> [-1, 1], nearer the unit-variance noise flow matching starts from."""
+    return frames * 2 - 1
+
+
+def train_video(experiment: ExperimentConfig) -> dict[str, float]:
+    placement = validate(experiment)
+    (name,) = experiment.modules
+    rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
+    mesh = build_module_meshes(placement, experiment.timeout_s)[name]
+    module, config, cfg = experiment.modules[name], experiment.model_config(name), experiment.train
+    memory = config.memory
+    if rank == 0:
+        ensure_video_shards(cfg.data_dir, CLIPS["train"], CLIPS["heldout"], ClipOptions(size=config.frame_size),
+                            seed=experiment.seed)
+    dist.barrier()
+    batch_size = experiment.batch.global_batch_size
+    train = VideoClips(cfg.data_dir, "train", batch_size, experiment.seed)
+    heldout = VideoClips(cfg.data_dir, "heldout", CLIPS["heldout"], experiment.seed).batch(0)
+
+    torch.manual_seed(experiment.seed)
+    model = parallelize_video(VideoGenerator(config), mesh, module.parallel)
+    router = ImportanceRouter(config.hidden_size) if memory.policy == "learned" else None
+    params = list(model.named_parameters()) + ([(f"router.{n}", p) for n, p in router.named_parameters()]
+                                               if router else [])
+    optimizer = build_adamw(torch.nn.ModuleList([model] + ([router] if router else [])), module.optim)
+    sync = AllReduceGradSync(params, mesh.group("dp")) if mesh.layout.dp > 1 else None
+    log = RunLog(experiment, Path(cfg.run_dir) / experiment.name, enabled=rank == 0)
+    started, errors = time.perf_counter(), {}
+    for step in range(1, cfg.steps + 1):
+        tick = time.perf_counter()
+        rows = dp_slice(train.batch(step - 1), mesh.coord.dp, mesh.layout.dp)
+        frames = to_model(rows["frames"])
+        share = frames.shape[0] / batch_size  # the DP sum of the ranks' losses is the batch mean
+        generator = torch.Generator().manual_seed(experiment.seed * 1_000_003 + step * 1009 + mesh.coord.dp)
+        loss = flow_matching_loss(model, frames, memory, generator)
+        total = loss
+        if router is not None:  # the generator with the full context is the teacher of its soft-memory self
+            distill, penalty = distillation_loss(model, model, frames, memory, router, generator)
+            total = total + distill + ROUTER_SPARSITY * penalty
+        for group in optimizer.param_groups:
+            group["lr"] = module.optim.lr_at(step - 1)
+        optimizer.zero_grad()
+        (total * share).backward()
+        if sync is not None:
+            sync.sync()
+        grad_norm = clip_gradients([p for _, p in params], cfg.grad_clip)
+        optimizer.step()
+        seconds = time.perf_counter() - tick
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            reduced = torch.tensor([loss.item() * share])
+            dist.all_reduce(reduced, group=mesh.group("dp"))
+            metrics = {"loss": reduced.item(), "grad_norm": float(grad_norm), "step_s": seconds,
+                       "tokens_per_s": batch_size * frames.shape[1] * config.patches_per_frame / seconds}
+            log.progress(step, metrics, {f"grad_sync.{name}": sync.bytes_sent if sync else 0})
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            errors = evaluate(model, router, heldout, memory)
+            if rank == 0:
+                print(f"step {step:5d} | held-out next-frame MSE: revisited {errors['revisit_mse']:.5f}, "
+                      f"all {errors['all_mse']:.5f} | {time.perf_counter() - started:.0f} s", flush=True)
+    summary = {"steps": float(cfg.steps), "final_loss": metrics["loss"], **errors,
+               "seconds": time.perf_counter() - started}
+    log.finish(summary)
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def clip_gradients(params: list[torch.nn.Parameter], limit: float) -> float:
+    """The gradient norm over every parameter (TP shards gathered), scaled down to ``limit`` (0: off)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in full))
+    if limit > 0 and norm > limit:
+        for g in grads:
+            g.mul_(limit / (norm + 1e-6))
+    return norm
+
+
+def evaluate(model, router, heldout: dict[str, torch.Tensor], memory) -> dict[str, float]:
+    """Held-out next-frame MSE (pixels in [0, 1]) on revisited and on all frames, each frame denoised
+    from half noise given the true earlier frames the memory keeps."""
+    with torch.no_grad():
+        errors = next_frame_errors(model, to_model(heldout["frames"]), memory, router,
+                                   torch.Generator().manual_seed(0), start=0.5) / 4
+    revisit = heldout["revisit"][:, 1:]
+    return {"revisit_mse": errors[revisit].mean().item(), "all_mse": errors.mean().item()}

@@ -15,7 +15,8 @@ Reported per policy on held-out clips: the error of each frame sampled (fixed no
 Euler steps) from the true earlier frames the memory keeps, over the revisited frames and over all
 frames (MSE and PSNR, pixels in [0, 1]); and the KV cache's bytes at the end of a clip of the training
 length and of one ``--long``× longer. ``closed`` is the share of the revisit-error gap between the
-sliding window and the full context that the policy closes.
+sliding window and the full context that the policy closes; ``A kept`` the frames of scene A in memory
+when the first revisited frame is made (mean over clips).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards, make_clips
-from hetero.models.video import FrameCache, VideoConfig, VideoGenerator, patchify
+from hetero.models.video import FrameCache, VideoConfig, VideoGenerator, context_schedule, patchify
 from hetero.models.video_memory import MemoryConfig
 from hetero.models.video_objectives import distillation_loss, flow_matching_loss, next_frame_errors, rollout
 from hetero.models.video_router import ImportanceRouter
@@ -108,6 +109,19 @@ def distill(
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+@torch.no_grad()
+def scene_a_kept(model, frames, scene, revisit, memory, router) -> float:
+    """Frames of scene A the memory holds when the first revisited frame is made, mean over clips."""
+    summaries = model.frame_summary(patchify(frames, model.config.patch_size))
+    first = int(revisit[0].nonzero()[0])
+    counts = []
+    for b in range(frames.shape[0]):
+        scores = router.clip_scores(summaries[b]) if router is not None else None
+        kept = context_schedule(summaries[b], memory, scores)[first]
+        counts.append(sum(int(scene[b, j]) == 0 for j in kept))
+    return sum(counts) / len(counts)
 
 
 def evaluate(model, frames, revisit, memory, router, start: float) -> dict[str, float]:
@@ -220,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for name in ORDER:
         chosen = router if name == "learned" else None
-        rows[name] = evaluate(students[name], to_model(heldout["frames"]), heldout["revisit"], policies[name], chosen,
-                              args.start)
+        frames = to_model(heldout["frames"])
+        rows[name] = evaluate(students[name], frames, heldout["revisit"], policies[name], chosen, args.start)
+        rows[name]["a_kept"] = scene_a_kept(students[name], frames, heldout["scene"], heldout["revisit"],
+                                            policies[name], chosen)
         rows[name]["kv"], rows[name]["kv_long"] = kv_bytes(students[name], long_clip, policies[name], chosen,
                                                            args.frames)
     print_table(rows, args)
@@ -233,12 +249,13 @@ def print_table(rows: dict[str, dict[str, float]], args: argparse.Namespace) -> 
     print(f"\nbudget {args.budget} frames; A {args.a_len} frames, gap {args.gap}, clips of {args.frames}; "
           f"{args.heldout_clips} held-out clips")
     print(f"{'policy':<12} {'revisit MSE':>12} {'PSNR':>6} {'all MSE':>9} {'PSNR':>6} {'closed':>7} "
-          f"{'KV@' + str(args.frames):>9} {'max KV@' + str(args.frames * args.long):>11}")
+          f"{'A kept':>7} {'KV@' + str(args.frames):>9} {'max KV@' + str(args.frames * args.long):>11}")
     for name in ORDER:
         r = rows[name]
         closed = (rows["sliding"]["revisit_mse"] - r["revisit_mse"]) / gap if gap > 0 else float("nan")
         print(f"{name:<12} {r['revisit_mse']:>12.5f} {r['revisit_psnr']:>6.2f} {r['all_mse']:>9.5f} "
-              f"{r['all_psnr']:>6.2f} {closed:>7.0%} {r['kv'] / 1024:>8.0f}K {r['kv_long'] / 1024:>10.0f}K")
+              f"{r['all_psnr']:>6.2f} {closed:>7.1%} {r['a_kept']:>7.2f} {r['kv'] / 1024:>8.0f}K "
+              f"{r['kv_long'] / 1024:>10.0f}K")
     revisit = {name: rows[name]["revisit_mse"] for name in ORDER}
     checks = {
         "learned <= slow_fast": revisit["learned"] <= revisit["slow_fast"],

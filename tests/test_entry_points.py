@@ -54,3 +54,19 @@ def test_activation_compression_benchmark_prints_bytes_losses_and_memory():
     fewer = float(rows["int2 fwd / int4 bwd, Clapping"][-9])  # ... fewer, loss, ±, std, gap, gap/std, lazy, acc, mem
     assert 9.8 < fewer < 9.9  # 2+4 bits plus a bf16 scale per 64 entries each way: 64/6.5 = 9.85
     assert rows["int2 fwd / int4 bwd, Clapping"][-1] == "512KB"  # one step's rows: 4 microbatches of 4x64x64
+
+
+def test_video_memory_benchmark_prints_every_policy(tmp_path):
+    """Tiny budgets: the whole path (shards, pretraining, router, Context Forcing students, evaluation,
+    the long clip) runs and prints a row per policy; bounded policies' KV stays flat over the long clip."""
+    done = subprocess.run(
+        ["hetero", "bench", "video-memory", "--frames", "10", "--a-len", "2", "--gap", "4", "--budget", "3",
+         "--window", "1", "--long", "2", "--train-clips", "8", "--heldout-clips", "4", "--batch", "2",
+         "--pretrain-steps", "2", "--router-steps", "1", "--student-steps", "1", "--data", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line.split()[0] for line in done.stdout.splitlines()
+            if line.split() and line.split()[0] in ("full", "sliding", "sink_window", "slow_fast", "learned")}
+    assert rows == {"full", "sliding", "sink_window", "slow_fast", "learned"}
+    assert "holds: bounded KV flat over the long clip" in done.stdout

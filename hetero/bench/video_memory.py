@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--student-steps", type=int, default=0, help="Context Forcing fine-tuning per policy")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--router-lr", type=float, default=3e-3)
+    parser.add_argument("--student-lr", type=float, default=1e-4, help="Context Forcing fine-tuning")
     parser.add_argument("--sparsity", type=float, default=0.002)
     parser.add_argument("--corrupt", type=float, nargs=2, default=(0.3, 0.05), metavar=("PROB", "STD"))
     parser.add_argument("--start", type=float, default=0.5,
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             start = time.time()
             student = copy.deepcopy(model).requires_grad_(True)
             losses = distill(student, model, train, policies[name], router if name == "learned" else None,
-                             args.student_steps, args.lr / 4, args.sparsity, tuple(args.corrupt), args.seed + 2)
+                             args.student_steps, args.student_lr, args.sparsity, tuple(args.corrupt), args.seed + 2)
             students[name] = student.requires_grad_(False)
             print(f"context forcing {name}: {args.student_steps} steps, loss {sum(losses[:10]) / 10:.4f} -> "
                   f"{sum(losses[-10:]) / 10:.4f} ({time.time() - start:.0f} s)", flush=True)

@@ -1,6 +1,6 @@
 """KV-cache memory policies of the video generator side by side, at one frame budget.
 
-    hetero bench video-memory [--budget 8] [--pretrain-steps 600] [--router-steps 300] [--student-steps 0]
+    hetero bench video-memory [--budget 8] [--pretrain-steps 1500] [--router-steps 150] [--student-steps 50]
 
 Clips revisit their first scene A after a gap of other scenes longer than the budget
 (``hetero.data.video_clips``, written to webdataset shards). One generator is trained by flow matching
@@ -8,12 +8,13 @@ on the true frames, each clip under a memory drawn from every policy (the learne
 router scores, so the generator learns to use any frames a router may keep). The learned policy's
 router is then trained on that frozen generator (L2M): soft memory, distillation from the same
 generator with the full context as teacher, a sparsity penalty, corrupted context and rollouts.
-``--student-steps`` adds Context Forcing to every bounded policy alike: a copy of the generator is
-fine-tuned under that policy's memory to match the full-context teacher on long rollouts.
+Then Context Forcing, for every bounded policy alike (``--student-steps``; 0 skips it): a copy of the
+generator is fine-tuned under that policy's memory (the learned one with its router) to match the
+full-context teacher on long rollouts.
 
-Reported per policy on held-out clips: the error of each frame sampled (fixed noise, ``sample_steps``
-Euler steps) from the true earlier frames the memory keeps, over the revisited frames and over all
-frames (MSE and PSNR, pixels in [0, 1]); and the KV cache's bytes at the end of a clip of the training
+Reported per policy on held-out clips: the error of each frame denoised (fixed noise, Euler steps) from
+the true frame noised to flow time ``--start``, given the true earlier frames the memory keeps, over the
+revisited frames and over all frames (MSE and PSNR, pixels in [0, 1]); and the KV cache's bytes at the end of a clip of the training
 length and of one ``--long``× longer. ``closed`` is the share of the revisit-error gap between the
 sliding window and the full context that the policy closes; ``A kept`` the frames of scene A in memory
 when the first revisited frame is made (mean over clips).
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--pretrain-steps", type=int, default=1500)
     parser.add_argument("--router-steps", type=int, default=150)
-    parser.add_argument("--student-steps", type=int, default=0, help="Context Forcing fine-tuning per policy")
+    parser.add_argument("--student-steps", type=int, default=50, help="Context Forcing fine-tuning per policy")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--router-lr", type=float, default=3e-3)
     parser.add_argument("--student-lr", type=float, default=1e-4, help="Context Forcing fine-tuning")

@@ -36,11 +36,7 @@ from hetero.models.video import FrameCache, VideoConfig, VideoGenerator, context
 from hetero.models.video_memory import MemoryConfig
 from hetero.models.video_objectives import distillation_loss, flow_matching_loss, next_frame_errors, rollout
 from hetero.models.video_router import ImportanceRouter
-
-def to_model(frames: torch.Tensor) -> torch.Tensor:
-    """Pixels in [0, 1] -> [-1, 1], nearer the unit-variance noise flow matching starts from."""
-    return frames * 2 - 1
-
+from hetero.train.video_run import to_model
 
 ORDER = ("full", "sliding", "sink_window", "slow_fast", "learned")
 

@@ -46,6 +46,7 @@ BENCHMARKS = {
     "activation-compression": "hetero.bench.activation_compression",
     "boundary": "hetero.bench.boundary",
     "compression": "hetero.bench.compression",
+    "genezip": "hetero.bench.genezip",
     "overhead": "hetero.bench.overhead",
     "video-memory": "hetero.bench.video_memory",
     "vlm": "hetero.bench.vlm",
@@ -83,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, default=0, help="processes (default: the experiment's world_size)")
     train.set_defaults(run=_train)
     data = commands.add_parser("data", help="write datasets to webdataset shards")
-    from hetero.data import digits
+    from hetero.data import digits, genome
 
-    digits.add_parser(data.add_subparsers(dest="dataset", required=True))
+    datasets = data.add_subparsers(dest="dataset", required=True)
+    digits.add_parser(datasets)
+    genome.add_parser(datasets)
     bench = commands.add_parser(
         "bench",
         help="run a benchmark (figures measured side by side in one run)",

@@ -69,6 +69,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100  # held-out evaluation (0: only at the end)
     data_dir: str = "data/digits"  # webdataset shards; written there on first use
+    genome_dir: str = "data/genome"  # a DNA module's genome shards, one set per window length under it
     run_dir: str = "outputs"  # each run writes under run_dir/<experiment name>
     wandb: str = "offline"  # offline | disabled: no network is ever needed
     wandb_project: str = "hetero"
@@ -187,7 +188,7 @@ def load_experiment(name_or_path: str = "", overrides: list[str] | tuple[str, ..
 
 def _hidden_size(model_config: Any, output: bool = False) -> int:
     """The last dim of what a module passes between its stages (or, ``output``, on to the next module)."""
-    if output and hasattr(model_config, "out_size"):
+    if output and getattr(model_config, "out_size", 0):
         return int(model_config.out_size)
     return int(model_config.hidden_size)
 
@@ -261,6 +262,13 @@ def validate(experiment: ExperimentConfig) -> Placement:
             f"{name}.compression.pipeline", reuse, _hidden_size(experiment.model_config(name))
         )
     for i, edge in enumerate(experiment.edges):
+        sent = _hidden_size(experiment.model_config(edge.src), output=True)
+        taken = _hidden_size(experiment.model_config(edge.dst))
+        if sent != taken:
+            errors.append(
+                f"edges[{i}] ({edge.src} -> {edge.dst}): {edge.src} hands on width {sent} but "
+                f"{edge.dst}.model.hidden_size={taken}; set {edge.src}.model.out_size={taken}"
+            )
         errors += edge.compression.errors(
             f"edges[{i}].compression", reuse, _hidden_size(experiment.model_config(edge.src), output=True)
         )

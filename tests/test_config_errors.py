@@ -260,3 +260,25 @@ def test_video_sink_must_leave_room_in_the_budget():
     overrides = ["video.model.memory.policy=sink_window", "video.model.memory.sink=8"]
     with pytest.raises(ConfigError, match=r"video\.model\.memory\.sink=8 fills the whole budget=8"):
         validate(load_experiment("video", overrides))
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("world_size=3 dna.layout.tp=3 dna.layout.dp=1 dna.layout.offset=0 vision.layout.dp=3 llm.layout.tp=1 "
+         "llm.layout.dp=3",
+         r"dna\.layout\.tp=3 does not divide dna\.model\.num_heads=4"),
+        ("dna.model.routing=learned", r"dna\.model\.routing='learned' is not one of dynamic, fixed"),
+        ("+dna.model.region_bpt.exon=3", r"dna\.model\.region_bpt names unknown regions \['exon'\]"),
+        ("dna.model.region_bpt.coding=1", r"dna\.model\.region_bpt\.coding=1\.0 must be > 1"),
+        ("dna.model.min_boundaries=13", r"dna\.model\.min_boundaries=13 exceeds max_boundaries=12"),
+        ("dna.model.routing=fixed", r"dna\.model\.routing=fixed places a token every target_bpt"),
+        ("dna.model.stages=3", r"dna\.model\.stages=3: GeneZip has 1 or 2 chunking stages"),
+        ("dna.parallel.sequence_parallel=true", r"dna\.parallel\.sequence_parallel=true: chunking gathers"),
+        ("dna.model.out_size=32", r"edges\[1\] \(dna -> llm\): dna hands on width 32 but llm\.model\.hidden_size=64; "
+                                  r"set dna\.model\.out_size=64"),
+    ],
+)
+def test_genezip_errors_name_the_field(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_experiment("dna_vlm", override.split()))

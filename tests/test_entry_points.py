@@ -70,3 +70,18 @@ def test_video_memory_benchmark_prints_every_policy(tmp_path):
             if line.split() and line.split()[0] in ("full", "sliding", "sink_window", "slow_fast", "learned")}
     assert rows == {"full", "sliding", "sink_window", "slow_fast", "learned"}
     assert "holds: bounded KV flat over the long clip" in done.stdout
+
+
+def test_genezip_benchmark_prints_every_model(tmp_path):
+    """Tiny budgets: genome shards, the three models trained, every held-out window evaluated; a row per
+    model with its BPT per region and the floor check."""
+    done = subprocess.run(
+        ["hetero", "bench", "genezip", "--steps", "2", "--window", "256", "--hidden", "16", "--main-layers", "1",
+         "--encoder-layers", "1", "--local-window", "16", "--batch", "2", "--seeds", "0", "--data", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line.split()[0]: line for line in done.stdout.splitlines()
+            if line.split() and line.split()[0] in ("genezip", "hnet", "fixed")}
+    assert set(rows) == {"genezip", "hnet", "fixed"}
+    assert "yes" in rows["fixed"]  # a token every 4 bases: 16 per 64-base window, above the floor of 4

@@ -73,3 +73,26 @@ def test_hetero_train_runs_the_video_generator_with_a_learned_memory(tmp_path):
     assert "held-out next-frame MSE: revisited" in out
     assert "summary: steps 2" in out
     assert (tmp_path / "clips" / "manifest.json").is_file()
+
+
+def test_hetero_train_runs_genezip_under_tp2(tmp_path):
+    """genezip: the DNA compressor alone under tp2, genome shards written on first use (per window)."""
+    done = hetero_train(tmp_path, "genezip", "train.steps=3", "train.log_every=1", "train.eval_every=0",
+                        f"train.genome_dir={tmp_path / 'genome'}", "dna.model.seq_len=256")
+    out = done.stdout
+    assert "--nproc_per_node=2" in out
+    assert "step     3 | loss" in out and "ratio loss" in out
+    assert "held-out" in out and "bits/base | bases per token: intergenic" in out
+    assert (tmp_path / "genome" / "window256" / "manifest.json").is_file()
+
+
+def test_hetero_train_feeds_dna_and_images_into_the_llm(tmp_path):
+    """dna_vlm: vision dp2 and GeneZip dp2 on disjoint ranks, the LLM tp2·dp2 over all four."""
+    done = hetero_train(tmp_path, "dna_vlm", "train.steps=2", "train.log_every=1", "train.eval_every=0",
+                        f"train.genome_dir={tmp_path / 'genome'}")
+    out = done.stdout
+    assert "--nproc_per_node=4" in out
+    assert "step     2 | loss" in out and "dna loss" in out
+    assert "boundary.dna->llm.forward=" in out and "boundary.vision->llm.forward=" in out
+    assert "grad_sync.dna=" in out
+    assert "held-out digit accuracy" in out and "GC-decile accuracy" in out

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hetero.data import shard_command
-from hetero.data.shards import MANIFEST, ShardError, load_manifest, read_split, write_shard_set
+from hetero.data.shards import ShardError, ensure_shard_set, read_split, write_shard_set
 from hetero.data.text import encode
 from hetero.errors import ConfigError
 
@@ -99,26 +99,7 @@ def ensure_digit_shards(out_dir: str | Path, samples_per_shard: int = 256) -> di
 
     Safe when several processes call it at once: one rename wins and the others read its set.
     """
-    out_dir = Path(out_dir)
-    if not (out_dir / MANIFEST).exists():
-        try:
-            return write_digit_shards(out_dir, samples_per_shard)
-        except FileExistsError:
-            if not (out_dir / MANIFEST).exists():
-                raise
-    manifest = load_manifest(out_dir)
-    wanted = _meta(samples_per_shard)
-    differences = [
-        f"{key}={manifest['meta'].get(key)!r} (wanted {value!r})"
-        for key, value in wanted.items()
-        if manifest["meta"].get(key) != value
-    ]
-    if differences:
-        raise ShardError(
-            f"{out_dir} holds a different shard set: {', '.join(differences)}; "
-            f"choose another directory or overwrite it"
-        )
-    return manifest
+    return ensure_shard_set(out_dir, lambda: write_digit_shards(out_dir, samples_per_shard), _meta(samples_per_shard))
 
 
 def vlm_sequence(
@@ -149,59 +130,31 @@ def vlm_sequence(
     return tokens, labels, start + digit_offset - 1
 
 
-class DigitBatches:
-    """Global batches of one split, in a deterministic order that depends only on ``seed`` and the epoch.
+class SampleBatches:
+    """Global batches of one split held in memory as columns (one tensor per key, samples on dim 0), in a
+    deterministic order that depends only on ``seed`` and the epoch.
 
-    The split is read once through webdataset into memory. Samples form one stream: epoch ``e`` is a
-    permutation of the split drawn from ``(seed, e)``, and epochs follow each other without dropping
-    samples, so a batch may span two epochs. ``batch(step)`` is the batch at stream position
-    ``step * global_batch_size`` — the same on every rank and in a single-process reference.
-    ``next_batch()`` serves batches from a cursor whose position (epoch, offset) is the resumable
-    state; from a fresh start it yields ``batch(0), batch(1), ...``.
-
-    A batch is a dict of tensors with batch dim B: ``images`` (B, 1, 32, 32) float32, ``tokens`` and
-    ``labels`` (B, seq_len) long, ``digit_position`` (B,) long (``labels[b, digit_position[b]]`` is the
-    digit character), ``label`` (B,) long (the digit 0..9) and ``index`` (B,) long (the sample's index
-    in scikit-learn's digits).
+    Samples form one stream: epoch ``e`` is a permutation of the split drawn from ``(seed, e)``, and epochs
+    follow each other without dropping samples, so a batch may span two epochs. ``batch(step)`` is the
+    batch at stream position ``step * global_batch_size`` — the same on every rank and in a single-process
+    reference. ``next_batch()`` serves batches from a cursor whose position (epoch, offset) is the
+    resumable state; from a fresh start it yields ``batch(0), batch(1), ...``.
     """
 
-    def __init__(
-        self,
-        shard_dir: str | Path,
-        split: str,
-        global_batch_size: int,
-        num_image_tokens: int,
-        seq_len: int,
-        seed: int = 0,
-    ):
+    def __init__(self, columns: dict[str, torch.Tensor], split: str, global_batch_size: int, seed: int = 0):
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size={global_batch_size} must be at least 1")
-        if num_image_tokens < 0:
-            raise ValueError(f"num_image_tokens={num_image_tokens} must not be negative")
-        samples = read_split(shard_dir, split)
-        longest = max(len(encode(s["txt"])) for s in samples)
-        if num_image_tokens + longest > seq_len:
-            raise ValueError(
-                f"seq_len={seq_len} with num_image_tokens={num_image_tokens}: the {split} captions are up to "
-                f"{longest} bytes, so seq_len must be at least num_image_tokens + {longest}"
-            )
-        sequences = [
-            vlm_sequence(s["txt"], s["json"]["digit_offset"], num_image_tokens, seq_len) for s in samples
-        ]
         self.split, self.seed, self.global_batch_size = split, seed, global_batch_size
-        self._data = {
-            "images": torch.from_numpy(np.stack([s["npy"] for s in samples])),
-            "tokens": torch.stack([tokens for tokens, _, _ in sequences]),
-            "labels": torch.stack([labels for _, labels, _ in sequences]),
-            "digit_position": torch.tensor([position for _, _, position in sequences]),
-            "label": torch.tensor([s["cls"] for s in samples]),
-            "index": torch.tensor([s["json"]["index"] for s in samples]),
-        }
+        self._data = columns
         self._position = 0  # the cursor: stream index of the next sample next_batch() serves
 
     def __len__(self) -> int:
         """Samples in the split."""
-        return len(self._data["label"])
+        return len(next(iter(self._data.values())))
+
+    def column(self, key: str) -> torch.Tensor:
+        """Every sample's ``key``, in stored order."""
+        return self._data[key]
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """The global batch of training step ``step`` (0-based)."""
@@ -256,6 +209,48 @@ class DigitBatches:
 
     def _gather(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         return {key: value[rows] for key, value in self._data.items()}
+
+
+class DigitBatches(SampleBatches):
+    """The digits split as ``SampleBatches``, read once through webdataset into memory.
+
+    A batch is a dict of tensors with batch dim B: ``images`` (B, 1, 32, 32) float32, ``tokens`` and
+    ``labels`` (B, seq_len) long, ``digit_position`` (B,) long (``labels[b, digit_position[b]]`` is the
+    digit character), ``label`` (B,) long (the digit 0..9) and ``index`` (B,) long (the sample's index
+    in scikit-learn's digits).
+    """
+
+    def __init__(
+        self,
+        shard_dir: str | Path,
+        split: str,
+        global_batch_size: int,
+        num_image_tokens: int,
+        seq_len: int,
+        seed: int = 0,
+    ):
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size={global_batch_size} must be at least 1")
+        if num_image_tokens < 0:
+            raise ValueError(f"num_image_tokens={num_image_tokens} must not be negative")
+        samples = read_split(shard_dir, split)
+        longest = max(len(encode(s["txt"])) for s in samples)
+        if num_image_tokens + longest > seq_len:
+            raise ValueError(
+                f"seq_len={seq_len} with num_image_tokens={num_image_tokens}: the {split} captions are up to "
+                f"{longest} bytes, so seq_len must be at least num_image_tokens + {longest}"
+            )
+        sequences = [
+            vlm_sequence(s["txt"], s["json"]["digit_offset"], num_image_tokens, seq_len) for s in samples
+        ]
+        super().__init__({
+            "images": torch.from_numpy(np.stack([s["npy"] for s in samples])),
+            "tokens": torch.stack([tokens for tokens, _, _ in sequences]),
+            "labels": torch.stack([labels for _, labels, _ in sequences]),
+            "digit_position": torch.tensor([position for _, _, position in sequences]),
+            "label": torch.tensor([s["cls"] for s in samples]),
+            "index": torch.tensor([s["json"]["index"] for s in samples]),
+        }, split, global_batch_size, seed)
 
 
 def dp_rows(batch_size: int, dp_rank: int, dp_size: int) -> slice:

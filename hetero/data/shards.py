@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,35 @@ def write_shard_set(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return manifest
+
+
+def ensure_shard_set(
+    out_dir: str | os.PathLike, write: Callable[[], dict[str, Any]], wanted: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The manifest of the shard set in ``out_dir``, calling ``write`` first if no complete set is there;
+    ``ShardError`` naming every field of ``wanted`` that the set's ``meta`` records differently.
+
+    Safe when several processes call it at once: one rename wins and the others read its set.
+    """
+    out_dir = Path(out_dir)
+    if not (out_dir / MANIFEST).exists():
+        try:
+            return write()
+        except FileExistsError:
+            if not (out_dir / MANIFEST).exists():
+                raise
+    manifest = load_manifest(out_dir)
+    differences = [
+        f"{key}={manifest['meta'].get(key)!r} (wanted {value!r})"
+        for key, value in wanted.items()
+        if manifest["meta"].get(key) != value
+    ]
+    if differences:
+        raise ShardError(
+            f"{out_dir} holds a different shard set: {', '.join(differences)}; "
+            f"delete that directory or choose another one"
+        )
     return manifest
 
 

@@ -35,7 +35,7 @@ clips take the other digits and the left half. Clip ``i`` of a split depends onl
 i)`` and the clip options, not on how many clips are made.
 
 ``write_video_shards`` stores both splits as a shard set (``hetero.data.shards``) and ``VideoClips``
-serves a split as deterministic, resumable batches with ``DigitBatches``' stream of epochs.
+serves a split as deterministic, resumable batches with ``SampleBatches``' stream of epochs.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetero.data.digits import SPLITS, DigitBatches, heldout_mask
+from hetero.data.digits import SPLITS, SampleBatches, heldout_mask
 from hetero.data import shard_command
-from hetero.data.shards import MANIFEST, ShardError, load_manifest, read_split, write_shard_set
+from hetero.data.shards import ShardError, ensure_shard_set, read_split, write_shard_set
 from hetero.errors import ConfigError
 
 TEXTURES = ("brick", "grass", "gravel", "camera", "coins", "text")  # files inside scikit-image's wheel
@@ -307,54 +307,32 @@ def ensure_video_shards(
 
     Safe when several processes call it at once: one rename wins and the others read its set.
     """
-    out_dir, options = Path(out_dir), options or ClipOptions()
-    if not (out_dir / MANIFEST).exists():
-        try:
-            return write_video_shards(out_dir, train_count, heldout_count, options, seed, samples_per_shard)
-        except FileExistsError:
-            if not (out_dir / MANIFEST).exists():
-                raise
-    manifest = load_manifest(out_dir)
-    wanted = _meta({"train": train_count, "heldout": heldout_count}, options, seed, samples_per_shard)
-    differences = [
-        f"{key}={manifest['meta'].get(key)!r} (wanted {value!r})"
-        for key, value in wanted.items()
-        if manifest["meta"].get(key) != value
-    ]
-    if differences:
-        raise ShardError(
-            f"{out_dir} holds a different shard set: {', '.join(differences)}; "
-            f"choose another directory or overwrite it"
-        )
-    return manifest
+    options = options or ClipOptions()
+    return ensure_shard_set(
+        out_dir,
+        lambda: write_video_shards(out_dir, train_count, heldout_count, options, seed, samples_per_shard),
+        _meta({"train": train_count, "heldout": heldout_count}, options, seed, samples_per_shard),
+    )
 
 
-class VideoClips(DigitBatches):
+class VideoClips(SampleBatches):
     """Batches of one split's clips, in a deterministic order that depends only on ``seed`` and the epoch.
 
     The split is read once into memory; ``batch(step)``, ``next_batch()``, ``ordered_batches()``,
-    ``state_dict()`` and ``load_state_dict()`` are ``DigitBatches``' (the same stream of epochs, each a
+    ``state_dict()`` and ``load_state_dict()`` are ``SampleBatches``' (the same stream of epochs, each a
     permutation drawn from ``(seed, epoch)``, and the same resumable cursor). A batch holds ``frames``
     (B, T, 1, S, S) float32, ``revisit`` (B, T) bool, ``scene`` (B, T) long and ``index`` (B,) long (the
     clip's index in its split); ``dp_slice`` from ``hetero.data.digits`` gives a DP rank its rows.
     """
 
     def __init__(self, shard_dir: str | Path, split: str, batch_size: int, seed: int = 0):
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be at least 1")
         samples = read_split(shard_dir, split)
-        self.split, self.seed, self.global_batch_size = split, seed, batch_size
-        self._data = {
+        super().__init__({
             "frames": torch.from_numpy(np.stack([s["npy"] for s in samples])),
             "revisit": torch.from_numpy(np.stack([s["revisit.npy"] for s in samples])),
             "scene": torch.from_numpy(np.stack([s["scene.npy"] for s in samples])).long(),
             "index": torch.tensor([s["json"]["index"] for s in samples]),
-        }
-        self._position = 0
-
-    def __len__(self) -> int:
-        """Clips in the split."""
-        return len(self._data["index"])
+        }, split, batch_size, seed)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -29,3 +29,17 @@ class CausalAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return causal_attention(q, k, v)
+
+
+class LocalCausalAttention(torch.nn.Module):
+    """Causal attention in which each position sees only the last ``window`` positions (itself included)."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window = window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = expand_kv(q, k, v)
+        positions = torch.arange(q.shape[2], device=q.device)
+        behind = positions[:, None] - positions[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(behind >= 0) & (behind < self.window))

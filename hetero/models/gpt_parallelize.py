@@ -42,6 +42,31 @@ def keep_stage(model: GPT, stage: int, num_stages: int) -> None:
         model.output = None
 
 
+def block_plan(sequence_parallel: bool = False) -> dict[str, nn.Module]:
+    """TP plan of a GPT ``Block``: heads and SwiGLU units split, the output projections reduce (into a
+    sequence-sharded residual stream under sequence parallelism)."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, nn.Module] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+    }
+    if sequence_parallel:
+        plan |= {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        }
+    return plan
+
+
 def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool) -> None:
     tp_mesh = mesh.mesh["tp"]
     # With sequence parallelism the residual stream between blocks is split over the sequence (Shard(1))
@@ -56,25 +81,7 @@ def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool)
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        plan: dict[str, nn.Module] = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-        }
-        if sequence_parallel:
-            plan |= {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            }
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
     if model.config.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # same Shard(0) placement: re-tie the DTensor
 

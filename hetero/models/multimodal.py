@@ -1,11 +1,12 @@
-"""A vision-language model as one module (the single-process reference) and the merge step it shares
-with the distributed trainer: image embeddings take the places of the first tokens of the sequence."""
+"""Multimodal models as one module (the single-process references) and the merge step they share with the
+distributed trainer: encoder embeddings take the places of the first tokens of the sequence."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from hetero.models.genezip import GeneZip, GeneZipConfig, GeneZipOutput, padded_tokens
 from hetero.models.gpt import GPT, GPTConfig
 from hetero.models.vision import VisionEncoder, ViTConfig
 
@@ -29,3 +30,24 @@ class VisionLanguageModel(nn.Module):
     def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         assert self.llm.tok_embeddings is not None
         return self.llm(merge_image_embeddings(self.llm.tok_embeddings(tokens), self.vision(images)))
+
+
+class VisionDnaLanguageModel(nn.Module):
+    """An LLM reading an image and a DNA window: the image embeddings, then GeneZip's compressed tokens
+    (zero-padded to its most tokens), then the text."""
+
+    def __init__(self, vision: ViTConfig, dna: GeneZipConfig, llm: GPTConfig, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.vision = VisionEncoder(vision)
+        torch.manual_seed(seed + 1)
+        self.llm = GPT(llm)
+        torch.manual_seed(seed + 2)
+        self.dna = GeneZip(dna)
+
+    def forward(self, images: torch.Tensor, bases: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, GeneZipOutput]:
+        """The LLM's logits and GeneZip's own output (for its next-base and ratio losses)."""
+        assert self.llm.tok_embeddings is not None
+        dna = self.dna(bases)
+        embeddings = torch.cat([self.vision(images), padded_tokens(dna, self.dna.config)], dim=1)
+        return self.llm(merge_image_embeddings(self.llm.tok_embeddings(tokens), embeddings)), dna

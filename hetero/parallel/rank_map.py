@@ -46,9 +46,10 @@ def format_rank_map(description: dict[str, Any]) -> str:
         f"placement {description['placement']}",
         "",
     ]
+    kind_width = max(len(module["kind"]) for module in description["modules"].values())
     for name, module in description["modules"].items():
         degrees = " ".join(f"{axis}{module[axis]}" for axis in reversed(MESH_AXES))
-        lines.append(f"  {name:<12} {module['kind']:<5} {degrees}  ranks {format_ranks(module['ranks'])}")
+        lines.append(f"  {name:<12} {module['kind']:<{kind_width}} {degrees}  ranks {format_ranks(module['ranks'])}")
     lines.append("")
     table = [list(COLUMNS)]
     for row in description["ranks"]:

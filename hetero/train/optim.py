@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -37,3 +38,14 @@ def build_adamw(model: nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
         weight_decay=config.weight_decay,
         eps=config.eps,
     )
+
+
+def clip_gradients(params: list[torch.nn.Parameter], limit: float) -> float:
+    """The gradient norm over every parameter (TP shards gathered), scaled down to ``limit`` (0: off)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in full))
+    if limit > 0 and norm > limit:
+        for g in grads:
+            g.mul_(limit / (norm + 1e-6))
+    return norm

@@ -18,39 +18,48 @@ import torch
 import torch.distributed as dist
 
 from hetero.config import ExperimentConfig, load_experiment, validate
+from hetero.errors import ConfigError
+from hetero.data.digit_dna import DigitDnaBatches
 from hetero.data.digits import DigitBatches, ensure_digit_shards
+from hetero.data.genome import GenomeOptions, ensure_genome_shards, genome_shards
 from hetero.parallel.mesh import build_module_meshes, init_distributed
 from hetero.train.run_log import RunLog
 from hetero.train.vlm import ModuleSetup, VLMTrainer
 
 
-def evaluate(trainer: VLMTrainer, heldout: DigitBatches) -> float:
-    hits = total = 0.0
+def evaluate(trainer: VLMTrainer, heldout: DigitBatches) -> dict[str, float]:
+    """Held-out accuracy of the digit (and, with a DNA encoder, of the window's GC decile)."""
+    hits: dict[str, float] = {}
+    total = 0.0
     for batch in heldout.ordered_batches():
         if batch["images"].shape[0] != heldout.global_batch_size:
             continue  # a short last batch would not split into the microbatches
         metrics = trainer.evaluate(batch)
-        hits += metrics["accuracy"] * metrics["evaluated"]
+        for key in ("accuracy", "gc_accuracy"):
+            if key in metrics:
+                hits[key] = hits.get(key, 0.0) + metrics[key] * metrics["evaluated"]
         total += metrics["evaluated"]
-    return hits / max(total, 1.0)
+    return {key: value / max(total, 1.0) for key, value in hits.items()}
 
 
 def communicator_bytes(trainer: VLMTrainer) -> dict[str, int]:
     """Bytes every rank handed to each communicator so far, summed over the world: per edge and
     direction (the boundary's wire bytes, cross-module plus within replica groups; the LLM's stage
     edges' payloads) and per gradient sync. Counts include held-out evaluation passes."""
-    counters = dict.fromkeys(trainer.boundary.counters(), 0)
-    for boundary in (trainer.boundary, trainer.compressed_boundary):
-        for key, value in (boundary.counters() if boundary is not None else {}).items():
-            counters[key] += value
     local, names = [], []
-    for direction in ("forward", "backward"):
-        names.append(f"boundary.vision->llm.{direction}")
-        local.append(counters[f"{direction}.cross_sent_bytes"] + counters[f"{direction}.intra_sent_bytes"])
+    for encoder, boundary in trainer.boundaries.items():
+        counters = dict.fromkeys(boundary.counters(), 0)
+        compressed = trainer.compressed_boundary if encoder == "vision" else None
+        for edge in (boundary, compressed):
+            for key, value in (edge.counters() if edge is not None else {}).items():
+                counters[key] += value
+        for direction in ("forward", "backward"):
+            names.append(f"boundary.{encoder}->llm.{direction}")
+            local.append(counters[f"{direction}.cross_sent_bytes"] + counters[f"{direction}.intra_sent_bytes"])
     for direction in ("forward", "backward"):
         names.append(f"pipeline.llm.{direction}")
         local.append(trainer.pipeline_bytes[direction])
-    for name in ("vision", "llm"):
+    for name in trainer.placement.layouts:
         names.append(f"grad_sync.{name}")
         module = trainer.modules.get(name)
         local.append(module.replica_sync.bytes_sent if module else 0)
@@ -83,17 +92,34 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
         from hetero.train.video_run import train_video
 
         return train_video(experiment)
+    if [m.kind for m in experiment.modules.values()] == ["genezip"]:
+        from hetero.train.genezip_run import train_genezip
+
+        return train_genezip(experiment)
     placement = validate(experiment)
+    for edge in experiment.edges:
+        if edge.compression.enabled and (edge.src, edge.dst) != ("vision", "llm"):
+            raise ConfigError(
+                f"edges {edge.src}->{edge.dst}: this job compresses only the vision->llm edge; remove the "
+                f"compression block of {edge.src}->{edge.dst}"
+            )
     rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
     meshes = build_module_meshes(placement, experiment.timeout_s)
     vision, llm = experiment.model_config("vision"), experiment.model_config("llm")
+    dna = experiment.model_config("dna") if "dna" in experiment.modules else None
     cfg = experiment.train
+    genome_dir = genome_shards(cfg.genome_dir, dna.seq_len) if dna is not None else None
     if rank == 0:
         ensure_digit_shards(cfg.data_dir)
+        if dna is not None:
+            ensure_genome_shards(genome_dir, GenomeOptions(window=dna.seq_len))
     dist.barrier()
+    size = experiment.batch.global_batch_size
     data = {
-        split: DigitBatches(
-            cfg.data_dir, split, experiment.batch.global_batch_size, vision.num_patches, llm.seq_len, experiment.seed
+        split: DigitBatches(cfg.data_dir, split, size, vision.num_patches, llm.seq_len, experiment.seed)
+        if dna is None
+        else DigitDnaBatches(
+            cfg.data_dir, genome_dir, split, size, vision.num_patches, dna.max_tokens(), llm.seq_len, experiment.seed
         )
         for split in ("train", "heldout")
     }
@@ -113,11 +139,12 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
         timeout_s=experiment.timeout_s,
         boundary_compression=edges.get(("vision", "llm")),
         sample_reuse=cfg.sample_reuse,
+        dna_config=dna,
     )
     log = RunLog(experiment, Path(cfg.run_dir) / experiment.name, enabled=rank == 0)
     tokens_per_step = experiment.batch.global_batch_size * llm.seq_len
     started = time.perf_counter()
-    accuracy = float("nan")
+    accuracy: dict[str, float] = {}
     for step in range(1, cfg.steps + 1):
         tick = time.perf_counter()
         metrics = trainer.train_step(data["train"].batch((step - 1) // cfg.sample_reuse))
@@ -132,12 +159,11 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
     summary = {
         "steps": float(cfg.steps),
         "final_loss": metrics["loss"],
-        "heldout_digit_accuracy": accuracy,
+        "heldout_digit_accuracy": accuracy["accuracy"],
+        **({"heldout_gc_accuracy": accuracy["gc_accuracy"]} if "gc_accuracy" in accuracy else {}),
         "seconds": time.perf_counter() - started,
     }
     log.finish(summary)
-    dist.barrier()
-    dist.destroy_process_group()
     return summary
 
 

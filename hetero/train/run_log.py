@@ -12,6 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from hetero.config import ExperimentConfig
 
 
@@ -51,8 +53,9 @@ class RunLog:
         residuals = " ".join(f"{k}={v:.3g}" for k, v in metrics.items() if k.startswith("ef_residual.") and v)
         if metrics.get("ec_memory_bytes"):
             residuals += f" ec_memory={_bytes(metrics['ec_memory_bytes'])}"
+        own = "".join(f" | {key.replace('_', ' ')} {metrics[key]:.4f}" for key in ("dna_loss", "ratio_loss") if key in metrics)
         print(
-            f"step {step:5d} | loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:8.0f} tok/s | "
+            f"step {step:5d} | loss {metrics['loss']:.4f}{own} | {metrics['tokens_per_s']:8.0f} tok/s | "
             f"{metrics['step_s'] * 1e3:7.1f} ms | grad norm {metrics['grad_norm']:.3f} | {traffic}"
             + (f" | {residuals.strip()}" if residuals else ""),
             flush=True,
@@ -60,18 +63,25 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log(metrics | {f"bytes/{k}": v for k, v in comm.items()}, step=step)
 
-    def evaluation(self, step: int, accuracy: float, seconds: float) -> None:
+    def evaluation(self, step: int, accuracy: dict[str, float], seconds: float) -> None:
+        """Held-out accuracies: ``accuracy`` (the digit) and, with a DNA encoder, ``gc_accuracy``."""
         if not self.enabled:
             return
-        print(f"step {step:5d} | held-out digit accuracy {accuracy:.3f} | {seconds:.0f} s", flush=True)
+        shown = f"held-out digit accuracy {accuracy['accuracy']:.3f}"
+        if "gc_accuracy" in accuracy:
+            shown += f", GC-decile accuracy {accuracy['gc_accuracy']:.3f}"
+        print(f"step {step:5d} | {shown} | {seconds:.0f} s", flush=True)
         if self.wandb is not None:
-            self.wandb.log({"heldout/digit_accuracy": accuracy}, step=step)
+            self.wandb.log({f"heldout/{key}": value for key, value in accuracy.items()}, step=step)
 
     def finish(self, summary: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        print("summary: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items()), flush=True)
-        if self.wandb is not None:
-            self.wandb.summary.update(summary)
-            self.wandb.finish()
-            print(f"wandb offline run: {self.wandb.dir if hasattr(self.wandb, 'dir') else self.run_dir}", flush=True)
+        """Print and log the job's summary, then leave the process group (every rank calls it)."""
+        if self.enabled:
+            print("summary: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items()), flush=True)
+            if self.wandb is not None:
+                self.wandb.summary.update(summary)
+                self.wandb.finish()
+                print(f"wandb offline run: {self.wandb.dir if hasattr(self.wandb, 'dir') else self.run_dir}",
+                      flush=True)
+        dist.barrier()
+        dist.destroy_process_group()

@@ -11,13 +11,11 @@ evaluation, the held-out next-frame error on revisited and on all frames.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from hetero.config import ExperimentConfig, validate
 from hetero.data.digits import dp_slice
@@ -28,7 +26,7 @@ from hetero.models.video_parallelize import parallelize_video
 from hetero.models.video_router import ImportanceRouter
 from hetero.parallel.data import AllReduceGradSync
 from hetero.parallel.mesh import build_module_meshes, init_distributed
-from hetero.train.optim import build_adamw
+from hetero.train.optim import build_adamw, clip_gradients
 from hetero.train.run_log import RunLog
 
 CLIPS = {"train": 512, "heldout": 64}
@@ -98,20 +96,7 @@ def train_video(experiment: ExperimentConfig) -> dict[str, float]:
     summary = {"steps": float(cfg.steps), "final_loss": metrics["loss"], **errors,
                "seconds": time.perf_counter() - started}
     log.finish(summary)
-    dist.barrier()
-    dist.destroy_process_group()
     return summary
-
-
-def clip_gradients(params: list[torch.nn.Parameter], limit: float) -> float:
-    """The gradient norm over every parameter (TP shards gathered), scaled down to ``limit`` (0: off)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
-    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in full))
-    if limit > 0 and norm > limit:
-        for g in grads:
-            g.mul_(limit / (norm + 1e-6))
-    return norm
 
 
 def evaluate(model, router, heldout: dict[str, torch.Tensor], memory) -> dict[str, float]:

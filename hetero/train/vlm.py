@@ -41,6 +41,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hetero.data.digits import dp_rows
 from hetero.errors import ConfigError
+from hetero.models.genezip import GeneZip, GeneZipConfig, padded_tokens
+from hetero.models.genezip_objectives import genezip_loss
+from hetero.models.genezip_parallelize import parallelize_genezip
 from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
 from hetero.models.gpt_parallelize import parallelize_gpt
 from hetero.models.multimodal import merge_image_embeddings
@@ -128,11 +131,14 @@ class VLMTrainer:
         timeout_s: float = 300.0,
         boundary_compression: EdgeCompressionConfig | None = None,
         sample_reuse: int = 1,
+        dna_config: GeneZipConfig | None = None,
     ):
         """``boundary_compression``: the codecs of the vision->llm edge (the LLM's stage edges take
         ``setups["llm"].compression.pipeline``); ``sample_reuse``: the caller serves each batch for this
-        many consecutive steps (lazy sampling, which the ``lazy`` compensation relies on)."""
-        for name in ("vision", "llm"):
+        many consecutive steps (lazy sampling, which the ``lazy`` compensation relies on); ``dna_config``:
+        a GeneZip module named ``dna`` whose compressed tokens follow the image's in the LLM's sequence."""
+        self.encoders = ["vision"] + (["dna"] if dna_config is not None else [])
+        for name in self.encoders + ["llm"]:
             if name not in placement.layouts:
                 raise ConfigError(f"the VLM trainer needs a module named {name!r}; modules are {list(placement.layouts)}")
         llm_layout = placement.layouts["llm"]
@@ -144,7 +150,7 @@ class VLMTrainer:
             )
         self.placement = placement
         self.setups = setups
-        self.vision_config, self.llm_config = vision_config, llm_config
+        self.vision_config, self.llm_config, self.dna_config = vision_config, llm_config, dna_config
         self.num_microbatches = num_microbatches
         self.grad_clip = grad_clip
         self.step = 0
@@ -157,16 +163,28 @@ class VLMTrainer:
             torch.manual_seed(seed + 1)
             model = parallelize_gpt(GPT(llm_config), meshes["llm"], setups["llm"].options)
             self.modules["llm"] = ModuleRuntime("llm", model, meshes["llm"], setups["llm"], seed)
-        self.graph_pipeline = not set(placement.layouts["vision"].ranks) & set(llm_layout.ranks)
-        # Built on every rank, in the same order, whether or not this rank takes part.
-        self.boundary = Boundary(
-            "vision->llm",
-            Side(placement.layouts["vision"]),
-            Side(llm_layout),
-            TensorSpec(ndim=3, source=_image_sharding(), destination=_image_sharding()),
-            timeout_s=timeout_s,
-            async_sends=self.graph_pipeline,
+        if "dna" in meshes and dna_config is not None:
+            torch.manual_seed(seed + 2)
+            model = parallelize_genezip(GeneZip(dna_config), meshes["dna"], setups["dna"].options)
+            self.modules["dna"] = ModuleRuntime("dna", model, meshes["dna"], setups["dna"], seed)
+        # One encoder disjoint from the LLM runs as stage 0 of a pipeline over the graph; two encoders run
+        # in phases (a graph schedule for several encoders is the full-graph trainer's job).
+        self.graph_pipeline = len(self.encoders) == 1 and not set(placement.layouts["vision"].ranks) & set(
+            llm_layout.ranks
         )
+        # Built on every rank, in the same order, whether or not this rank takes part.
+        self.boundaries = {
+            name: Boundary(
+                f"{name}->llm",
+                Side(placement.layouts[name]),
+                Side(llm_layout),
+                TensorSpec(ndim=3, source=_image_sharding(), destination=_image_sharding()),
+                timeout_s=timeout_s,
+                async_sends=self.graph_pipeline,
+            )
+            for name in self.encoders
+        }
+        self.boundary = self.boundaries["vision"]
         # Training steps send through the compressed edges; evaluation keeps the plain ones above.
         self.compressed_boundary = None
         if boundary_compression is not None and boundary_compression.enabled:
@@ -218,17 +236,22 @@ class VLMTrainer:
         for module in self.modules.values():
             module.optimizer.zero_grad(set_to_none=True)
 
-        hits = torch.zeros(2, dtype=torch.float64)  # correct digit predictions, predictions made
-        positions = None if update else batch["digit_position"]
+        # Per evaluated position (the digit; with DNA, its GC decile): correct predictions, predictions made.
+        keys = ["digit_position"] + (["gc_position"] if self.dna_config is not None else [])
+        hits = torch.zeros(len(keys), 2, dtype=torch.float64)
+        positions = None if update else torch.stack([batch[k] for k in keys], dim=1)
         self._training = update
+        self._batch_size = size
+        self._dna_losses: list[torch.Tensor] = []
         if update:
             self._begin_edges(micro, batch.get("index"))
         if self.graph_pipeline:
             losses = self._graph_schedule(images, tokens, labels, positions, hits, micro, shape, supervised)
         else:
-            losses = self._phased_schedule(images, tokens, labels, positions, hits, micro, shape, supervised)
+            losses = self._phased_schedule(batch, positions, hits, micro, supervised)
+        extra = {"dna_loss": self._world_dna_loss()} if self.dna_config is not None else {}
         if not update:
-            return {"loss": self._world_loss(losses)} | self._world_accuracy(hits)
+            return {"loss": self._world_loss(losses)} | extra | self._world_accuracy(hits)
         for module in self.modules.values():
             module.replica_sync.before_step()
         grad_norm = self._clip_world_wide()
@@ -240,7 +263,7 @@ class VLMTrainer:
                 module.optimizer.step()
                 module.replica_sync.after_step()
         self.step += 1
-        return {"loss": self._world_loss(losses), "grad_norm": grad_norm, "stepped": float(stepped)}
+        return {"loss": self._world_loss(losses), "grad_norm": grad_norm, "stepped": float(stepped)} | extra
 
     def _begin_edges(self, micro: int, sample_ids: torch.Tensor | None) -> None:
         """Tell every compressed edge end this step's rows (global-batch positions) and whether the batch
@@ -289,34 +312,66 @@ class VLMTrainer:
         """The graph pipeline runs the LLM's schedule on every stage, the encoder's included."""
         return self.setups["llm"].options.pipeline_schedule
 
-    def _phased_schedule(self, images, tokens, labels, positions, hits, micro, shape, supervised):
-        vision = self.modules.get("vision")
-        image_out = []
-        if vision is not None:
-            for m in range(self.num_microbatches):
-                rows = vision.rows(micro)
-                image_out.append(vision.model(images[m * micro : (m + 1) * micro][rows]))
-        edge = self._boundary_edge()
-        sent = [image_out[m].detach() if image_out else None for m in range(self.num_microbatches)]
-        if edge is not None:
-            delivered = [edge.forward(m, sent[m], shape) for m in range(self.num_microbatches)]
-        else:
-            transfers = [self.boundary.forward(sent[m], shape) for m in range(self.num_microbatches)]
-            delivered = [t.output for t in transfers]
+    def _encoder_shape(self, name: str, micro: int) -> tuple[int, int, int]:
+        """A microbatch's embeddings from encoder ``name`` as the LLM takes them."""
+        if name == "vision":
+            return (micro, self.vision_config.num_patches, self.vision_config.out_size)
+        assert self.dna_config is not None
+        return (micro, self.dna_config.max_tokens(), self.dna_config.out_size)
+
+    def _encode(self, name: str, module: ModuleRuntime, batch: dict, span: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Encoder ``name``'s embeddings of this rank's rows of a microbatch, and its own loss (GeneZip's
+        next-base and ratio losses, a sum over its rows divided by the global batch size) or None."""
+        rows = module.rows(span.stop - span.start)
+        if name == "vision":
+            return module.model(batch["images"][span][rows]), None
+        assert self.dna_config is not None
+        bases, regions = batch["dna"][span][rows], batch["dna_regions"][span][rows]
+        output = module.model(bases)
+        tokens = padded_tokens(output, self.dna_config)
+        loss = genezip_loss(self.dna_config, output, bases, regions).total(self.dna_config).sum() / self._batch_size
+        self._dna_losses.append(loss.detach())
+        return tokens, loss
+
+    def _phased_schedule(self, batch, positions, hits, micro, supervised):
+        count = self.num_microbatches
+        spans = [slice(m * micro, (m + 1) * micro) for m in range(count)]
+        outputs = {
+            name: [self._encode(name, self.modules[name], batch, span) for span in spans]
+            for name in self.encoders
+            if name in self.modules
+        }
+        edge = self._boundary_edge()  # compresses the vision->llm edge in training steps
+        delivered, transfers = {}, {}
+        for name in self.encoders:
+            shape = self._encoder_shape(name, micro)
+            sent = [outputs[name][m][0].detach() if name in outputs else None for m in range(count)]
+            if name == "vision" and edge is not None:
+                delivered[name] = [edge.forward(m, sent[m], shape) for m in range(count)]
+            else:
+                transfers[name] = [self.boundaries[name].forward(sent[m], shape) for m in range(count)]
+                delivered[name] = [t.output for t in transfers[name]]
         llm = self.modules.get("llm")
-        image_grads: list[torch.Tensor | None] = [None] * self.num_microbatches
+        grads: list[list[torch.Tensor | None]] = [[None] * len(self.encoders)] * count
         losses: list[torch.Tensor] = []
         if llm is not None:
-            losses, image_grads = self._llm_schedule(
-                llm, delivered, tokens, labels, positions, hits, micro, supervised, shape
+            per_microbatch = [[delivered[name][m] for name in self.encoders] for m in range(count)]
+            losses, grads = self._llm_schedule(
+                llm, per_microbatch, batch["tokens"], batch["labels"], positions, hits, micro, supervised,
+                self._encoder_shape("vision", micro),
             )
-        for m in range(self.num_microbatches):
-            if edge is not None:
-                grad = edge.backward(m, image_grads[m], shape)
-            else:
-                grad = self.boundary.backward(transfers[m], image_grads[m])
-            if vision is not None:
-                image_out[m].backward(grad)
+        for e, name in enumerate(self.encoders):
+            for m in range(count):
+                if name == "vision" and edge is not None:
+                    grad = edge.backward(m, grads[m][e], self._encoder_shape(name, micro))
+                else:
+                    grad = self.boundaries[name].backward(transfers[name][m], grads[m][e])
+                if name in outputs:
+                    embeddings, own_loss = outputs[name][m]
+                    if own_loss is None:
+                        embeddings.backward(grad)
+                    else:
+                        torch.autograd.backward([embeddings, own_loss], [grad, torch.ones_like(own_loss)])
         return losses
 
     def _llm_schedule(
@@ -330,9 +385,10 @@ class VLMTrainer:
         micro: int,
         supervised: int,
         shape: tuple[int, ...],
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """The LLM's part of a step. ``delivered`` holds the image embeddings already delivered (phased
-        schedule); None means they arrive through the graph pipeline's boundary link."""
+    ) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
+        """The LLM's part of a step: its losses, and per microbatch the gradients of every encoder's
+        embeddings. ``delivered`` holds, per microbatch, each encoder's embeddings already delivered
+        (phased schedule); None means the image embeddings arrive through the graph pipeline's link."""
         rows = llm.rows(micro)
         layout, coord = llm.mesh.layout, llm.mesh.coord
         first, last = llm.mesh.is_first_stage, llm.mesh.is_last_stage
@@ -342,7 +398,7 @@ class VLMTrainer:
         inputs: list = []
         if first and not graph:
             for m, span in enumerate(spans):
-                embeds = delivered[m].detach().requires_grad_()  # type: ignore[index]
+                embeds = [e.detach().requires_grad_() for e in delivered[m]]  # type: ignore[index]
                 received.append(embeds)
                 inputs.append((tokens[span][rows], embeds))
         targets = [(labels[span][rows], None if positions is None else positions[span][rows]) for span in spans]
@@ -352,21 +408,22 @@ class VLMTrainer:
         graph_tokens = iter([tokens[span][rows] for span in spans])
 
         def stage(x):
-            if isinstance(x, tuple):  # phased: token ids plus this microbatch's image embeddings
+            if isinstance(x, tuple):  # phased: token ids plus this microbatch's embeddings of every encoder
                 ids, embeds = x
-                return model(merge_image_embeddings(model.tok_embeddings(ids), embeds))
+                return model(merge_image_embeddings(model.tok_embeddings(ids), torch.cat(embeds, dim=1)))
             if graph and first:
                 return model(merge_image_embeddings(model.tok_embeddings(next(graph_tokens)), x))
             return model(x)
 
         def loss_fn(logits: torch.Tensor, target: tuple) -> torch.Tensor:
-            target_labels, digit_positions = target
-            if digit_positions is not None:
+            target_labels, evaluated = target
+            if evaluated is not None:
                 full = logits.full_tensor() if isinstance(logits, DTensor) else logits  # TP-collective
                 rows = torch.arange(full.shape[0])
-                predicted = full[rows, digit_positions].argmax(-1)
-                hits[0] += (predicted == target_labels[rows, digit_positions]).sum()
-                hits[1] += full.shape[0]
+                for k in range(evaluated.shape[1]):
+                    predicted = full[rows, evaluated[:, k]].argmax(-1)
+                    hits[k, 0] += (predicted == target_labels[rows, evaluated[:, k]]).sum()
+                    hits[k, 1] += full.shape[0]
             return token_loss_sum(logits, target_labels) / supervised
 
         parallel_loss = loss_parallel() if layout.tp > 1 else contextlib.nullcontext()
@@ -414,9 +471,12 @@ class VLMTrainer:
         # embeddings (the column-parallel layers all-reduce it); the boundary sums destination replicas,
         # so each hands in its share (BoundaryReceiver does the same in the graph pipeline). The
         # compressed boundary copies instead of summing and takes the full gradient.
-        share = 1 if self._boundary_edge() is not None else layout.tp
-        grads = [e.grad / share if e.grad is not None else torch.zeros_like(e) for e in received]
-        return losses, grads or [None] * self.num_microbatches
+        shares = [1 if name == "vision" and self._boundary_edge() is not None else layout.tp for name in self.encoders]
+        grads = [
+            [e.grad / share if e.grad is not None else torch.zeros_like(e) for e, share in zip(embeds, shares)]
+            for embeds in received
+        ]
+        return losses, grads or [[None] * len(self.encoders)] * self.num_microbatches
 
     def _clip_world_wide(self) -> float:
         """Global gradient norm over every module, agreed by every rank; clip when it exceeds the limit."""
@@ -445,7 +505,19 @@ class VLMTrainer:
         if llm is None or not llm.mesh.is_last_stage or llm.mesh.coord.tp != 0:
             hits = torch.zeros_like(hits)  # one reporter per LLM data-parallel replica
         dist.all_reduce(hits)
-        return {"accuracy": float(hits[0] / hits[1]), "evaluated": float(hits[1])}
+        result = {"accuracy": float(hits[0, 0] / hits[0, 1]), "evaluated": float(hits[0, 1])}
+        if len(hits) > 1:
+            result["gc_accuracy"] = float(hits[1, 0] / hits[1, 1])
+        return result
+
+    def _world_dna_loss(self) -> float:
+        """GeneZip's own loss over the global batch (next-base plus ratio), known on every rank."""
+        total = torch.zeros((), dtype=torch.float64)
+        dna = self.modules.get("dna")
+        if dna is not None and dna.mesh.coord.tp == 0:  # one reporter per DNA data-parallel replica
+            total += sum(loss.double() for loss in self._dna_losses)
+        dist.all_reduce(total)
+        return float(total)
 
     def _world_loss(self, losses: list[torch.Tensor]) -> float:
         """The global mean loss, known on every rank: LLM last-stage ranks of tp coordinate 0 sum theirs."""

@@ -1,0 +1,318 @@
+"""GeneZip: a DNA compressor that learns where its tokens start (H-Net dynamic chunking) and how many bases
+each token covers in each kind of genomic region (the Region-Aware Ratio objective).
+
+A stage embeds its input, runs *encoder* blocks whose attention sees only the last ``local_window``
+positions, and a boundary router scores every position from the similarity of adjacent hidden states:
+``p_t = (1 - cos(q_t, k_{t-1})) / 2`` and ``p_0 = 1``. Positions with ``p_t >= 1/2`` start a chunk
+(bounded routing may add or drop some, below). The hidden states at chunk starts form the compressed
+sequence, which the *main network* (full causal attention) processes, or, with two stages, a second stage
+of the same kind. The de-chunker smooths the main network's outputs with an EMA whose rate is each chunk's
+boundary probability, hands every position the smoothed state of its chunk times the router's confidence
+in its decision (1 in the forward pass, the confidence's gradient in the backward, so the router also
+learns from the prediction loss), adds a projection of the encoder's state, and *decoder* blocks
+(local attention) predict the next base.
+
+Everything is causal: a chunk's state is taken at its first position, the main network is causal over
+chunks, and the bounded routing decides each position from earlier ones in its window, so the prediction
+at base ``t`` depends on bases ``<= t`` only.
+
+Ratio loss (H-Net): with F the fraction of positions chosen and G their mean boundary probability,
+``N/(N-1) ((N-1) F G + (1-F)(1-G))`` drives F to 1/N (N bases per token); its gradient reaches the router
+through G. The Region-Aware Ratio applies it per region with that region's target N_r, taken from gene
+annotations at training time only; inference routes raw DNA. Each sequence computes its own F and G per
+region and contributes in proportion to its bases, so the loss is a mean over sequences (exact under data
+parallelism).
+
+Bounded routing: within every window of ``routing_window`` positions at least ``min_boundaries`` and at
+most ``max_boundaries`` (0: no ceiling) positions start a chunk. Both are decided causally: a boundary is
+dropped when earlier ones in its window already reach the ceiling; once the positions left in a window are
+just enough to reach the floor, each of them starts a chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.data.genome import BASES, REGIONS
+from hetero.models.attention import LocalCausalAttention
+from hetero.models.gpt import Block, GPTConfig, rope_tables
+from hetero.models.layout_checks import shape_errors, transformer_layout_errors
+from hetero.parallel.layout import Layout
+from hetero.parallel.options import ParallelOptions
+
+ROUTINGS = ("dynamic", "fixed")
+
+
+@dataclass
+class GeneZipConfig:
+    seq_len: int = 512
+    hidden_size: int = 64
+    num_heads: int = 4
+    ffn_hidden_size: int | None = None
+    encoder_layers: int = 1  # per stage
+    main_layers: int = 2
+    decoder_layers: int = 1  # per stage
+    local_window: int = 32  # positions the encoder and decoder blocks attend to
+    stages: int = 1
+    routing: str = "dynamic"  # "fixed": a token every target_bpt positions (no router)
+    target_bpt: float = 4.0  # stage 1's bases per token, one target for every region (H-Net)
+    region_bpt: dict[str, float] = field(default_factory=dict)  # Region-Aware Ratio: a target per region
+    inner_bpt: float = 2.0  # stage-1 tokens per stage-2 token (stages=2)
+    ratio_weight: float = 0.03
+    routing_window: int = 64
+    min_boundaries: int = 1  # per routing window, stage 1
+    max_boundaries: int = 0  # per routing window, stage 1; 0: no ceiling
+    out_size: int = 0  # width of the compressed tokens handed to another module (0: no projector)
+    norm_eps: float = 1e-5
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def block_config(self) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=len(BASES), hidden_size=self.hidden_size, num_heads=self.num_heads,
+            ffn_hidden_size=self.ffn_size, norm_eps=self.norm_eps,
+        )
+
+    def region_targets(self) -> torch.Tensor:
+        """Stage 1's bases-per-token target of every region id (``REGIONS`` order)."""
+        return torch.tensor([float(self.region_bpt.get(name, self.target_bpt)) for name in REGIONS])
+
+    @property
+    def stride(self) -> int:
+        """Positions per token of ``routing=fixed`` at stage 1."""
+        return int(self.target_bpt)
+
+    def max_tokens(self) -> int:
+        """The most stage-1 tokens a sequence can have (the width of the compressed sequence it hands on)."""
+        if self.routing == "fixed":
+            return -(-self.seq_len // self.stride)
+        if self.max_boundaries:
+            return -(-self.seq_len // self.routing_window) * self.max_boundaries
+        return self.seq_len
+
+    def errors(self, module: str, layout: Layout, options: ParallelOptions | None = None) -> list[str]:
+        """Everything about this model that ``layout`` (and ``options``) cannot run; empty when fine."""
+        prefix = f"{module}.model"
+        errors = shape_errors(
+            module, seq_len=self.seq_len, hidden_size=self.hidden_size, num_heads=self.num_heads,
+            main_layers=self.main_layers, local_window=self.local_window, routing_window=self.routing_window,
+        )
+        if errors:
+            return errors
+        if self.hidden_size % self.num_heads:
+            errors.append(f"{prefix}.num_heads={self.num_heads} does not divide {prefix}.hidden_size={self.hidden_size}")
+        if self.stages not in (1, 2):
+            errors.append(f"{prefix}.stages={self.stages}: GeneZip has 1 or 2 chunking stages")
+        if self.routing not in ROUTINGS:
+            errors.append(f"{prefix}.routing={self.routing!r} is not one of {', '.join(ROUTINGS)}")
+        for name, target in [("target_bpt", self.target_bpt), ("inner_bpt", self.inner_bpt)] + [
+            (f"region_bpt.{region}", value) for region, value in self.region_bpt.items()
+        ]:
+            if not target > 1:
+                errors.append(f"{prefix}.{name}={target} must be > 1 (bases per token)")
+        unknown = sorted(set(self.region_bpt) - set(REGIONS))
+        if unknown:
+            errors.append(f"{prefix}.region_bpt names unknown regions {unknown}; regions are {list(REGIONS)}")
+        whole = self.target_bpt == int(self.target_bpt) and (self.stages == 1 or self.inner_bpt == int(self.inner_bpt))
+        if self.routing == "fixed" and (not whole or self.region_bpt):
+            errors.append(
+                f"{prefix}.routing=fixed places a token every target_bpt (and inner_bpt) positions: they must "
+                f"be whole numbers (got {self.target_bpt}, {self.inner_bpt}) and region_bpt empty "
+                f"(got {dict(self.region_bpt)})"
+            )
+        if self.min_boundaries < 0 or self.max_boundaries < 0:
+            errors.append(f"{prefix}.min_boundaries and max_boundaries must be >= 0")
+        elif self.max_boundaries and self.min_boundaries > self.max_boundaries:
+            errors.append(
+                f"{prefix}.min_boundaries={self.min_boundaries} exceeds max_boundaries={self.max_boundaries}"
+            )
+        elif self.max_boundaries > self.routing_window:
+            errors.append(
+                f"{prefix}.max_boundaries={self.max_boundaries} exceeds routing_window={self.routing_window}"
+            )
+        if layout.cp > 1 or layout.pp > 1:
+            errors.append(
+                f"{module}: GeneZip runs with cp=1 and pp=1 (got cp={layout.cp}, pp={layout.pp}); spread it "
+                "with dp or tp instead"
+            )
+        if options is not None and options.sequence_parallel:
+            errors.append(
+                f"{module}.parallel.sequence_parallel=true: chunking gathers across the whole sequence, so "
+                "GeneZip keeps it whole on every TP rank; set it to false"
+            )
+        return errors + transformer_layout_errors(
+            module, layout, num_heads=self.num_heads, num_kv_heads=self.num_heads, hidden_size=self.hidden_size,
+            ffn_hidden_size=self.ffn_size, num_layers=self.main_layers, seq_len=self.seq_len,
+            sequence_parallel=options is not None and options.sequence_parallel,
+            fsdp=options is not None and options.fsdp,
+        )
+
+
+@dataclass
+class Routing:
+    """One stage's routing of a batch: boundary probabilities, chosen chunk starts, real positions."""
+
+    probability: torch.Tensor  # (batch, length) float
+    boundary: torch.Tensor  # (batch, length) bool
+    valid: torch.Tensor  # (batch, length) bool: False on the padding of a compressed sequence
+
+
+@dataclass
+class GeneZipOutput:
+    logits: torch.Tensor  # (batch, seq, bases): the next base at every position
+    routings: list[Routing]  # stage 1 first
+    tokens: torch.Tensor  # (batch, max chunks, width): stage 1's compressed sequence after the main network
+    token_valid: torch.Tensor  # (batch, max chunks) bool
+
+
+class Blocks(nn.Module):
+    """Transformer blocks (RoPE over positions 0..L-1), with local or full causal attention."""
+
+    def __init__(self, config: GeneZipConfig, count: int, window: int | None):
+        super().__init__()
+        self.head_dim = config.hidden_size // config.num_heads
+        self.layers = nn.ModuleDict({str(i): Block(config.block_config()) for i in range(count)})
+        if window is not None:
+            for block in self.layers.values():
+                block.attention.core = LocalCausalAttention(window)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(self.head_dim, torch.arange(x.shape[1], device=x.device), 10000.0)
+        for layer in self.layers.values():
+            x = layer(x, cos.to(x.device), sin.to(x.device))
+        return x
+
+
+class BoundaryRouter(nn.Module):
+    """``p_t = (1 - cos(W_q h_t, W_k h_{t-1})) / 2``, ``p_0 = 1``; W_q and W_k start as the identity."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.wq = nn.Linear(hidden, hidden, bias=False)
+        self.wk = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q = F.normalize(self.wq(h[:, 1:]), dim=-1)
+        k = F.normalize(self.wk(h[:, :-1]), dim=-1)
+        p = ((1 - (q * k).sum(-1)) / 2).clamp(0.0, 1.0)
+        return torch.cat([torch.ones_like(p[:, :1]), p], dim=1)
+
+
+def bound_boundaries(boundary: torch.Tensor, window: int, floor: int, ceiling: int) -> torch.Tensor:
+    """Causal bounded routing: at most ``ceiling`` (0: any) and at least ``floor`` chunk starts in every
+    window of ``window`` positions (a short last window: as many as it has positions, up to ``floor``)."""
+    batch, length = boundary.shape
+    pad = -length % window
+    x = F.pad(boundary, (0, pad)).view(batch, -1, window)
+    if ceiling:
+        x = x & (x.long().cumsum(-1) - x.long() < ceiling)
+    if floor:
+        starts = torch.arange(0, length + pad, window, device=x.device)
+        real = (length - starts).clamp(max=window)  # real positions in each window
+        left = real[:, None] - torch.arange(window, device=x.device)  # positions left, this one included
+        before = x.long().cumsum(-1) - x.long()
+        x = x | ((floor - before >= left) & (left > 0))
+    return x.reshape(batch, -1)[:, :length]
+
+
+def smooth_chunks(states: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+    """EMA over chunks: ``s_j = P_j z_j + (1 - P_j) s_{j-1}`` with ``P_j`` a chunk's boundary probability."""
+    rate = rate.unsqueeze(-1).to(states.dtype)
+    smoothed, previous = [], torch.zeros_like(states[:, 0])
+    for j in range(states.shape[1]):
+        previous = rate[:, j] * states[:, j] + (1 - rate[:, j]) * previous
+        smoothed.append(previous)
+    return torch.stack(smoothed, dim=1)
+
+
+def straight_through(confidence: torch.Tensor) -> torch.Tensor:
+    """1 in the forward pass, the gradient of ``confidence`` in the backward pass."""
+    return confidence + (1 - confidence).detach()
+
+
+class ChunkStage(nn.Module):
+    """Encoder, router, an inner network over the chunks (the main network or another stage), de-chunker
+    and decoder; maps (batch, length, hidden) to the same shape."""
+
+    def __init__(self, config: GeneZipConfig, depth: int):
+        super().__init__()
+        self.config, self.depth = config, depth
+        self.encoder = Blocks(config, config.encoder_layers, config.local_window)
+        self.router = BoundaryRouter(config.hidden_size) if config.routing == "dynamic" else None
+        last = depth + 1 == config.stages
+        self.inner = Blocks(config, config.main_layers, None) if last else ChunkStage(config, depth + 1)
+        self.residual = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.decoder = Blocks(config, config.decoder_layers, config.local_window)
+
+    def route(self, h: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        config = self.config
+        if self.router is None:
+            stride = config.stride if self.depth == 0 else int(config.inner_bpt)
+            boundary = (torch.arange(h.shape[1], device=h.device) % stride == 0).expand(h.shape[0], -1)
+            return boundary.to(h.dtype), boundary & valid
+        probability = self.router(h)
+        boundary = probability >= 0.5
+        if self.depth == 0:
+            boundary = bound_boundaries(boundary, config.routing_window, config.min_boundaries, config.max_boundaries)
+        return probability, boundary & valid
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, list[Routing], tuple]:
+        h = self.encoder(x)
+        probability, boundary = self.route(h, valid)
+        counts = boundary.sum(1)
+        # Boundary positions first, in order (a stable sort), then cut at the longest row's count.
+        order = torch.argsort((~boundary).to(torch.int8), dim=1, stable=True)[:, : int(counts.max())]
+        chunk_valid = torch.arange(order.shape[1], device=x.device) < counts[:, None]
+        chunks = h.gather(1, order[..., None].expand(-1, -1, h.shape[-1]))
+        if isinstance(self.inner, ChunkStage):
+            processed, routings, _ = self.inner(chunks, chunk_valid)
+        else:
+            processed, routings = self.inner(chunks), []
+        smoothed = smooth_chunks(processed, probability.gather(1, order))
+        chunk_of = (boundary.long().cumsum(1) - 1).clamp(min=0)
+        up = smoothed.gather(1, chunk_of[..., None].expand(-1, -1, h.shape[-1]))
+        confidence = torch.where(boundary, probability, 1 - probability)
+        y = self.decoder(up * straight_through(confidence).unsqueeze(-1) + self.residual(h))
+        return y, [Routing(probability, boundary, valid)] + routings, (processed, chunk_valid)
+
+
+class GeneZip(nn.Module):
+    def __init__(self, config: GeneZipConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(len(BASES), config.hidden_size)
+        self.stage = ChunkStage(config, 0)
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.output = nn.Linear(config.hidden_size, len(BASES), bias=False)
+        self.projector = nn.Linear(config.hidden_size, config.out_size, bias=False) if config.out_size else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+        for module in self.modules():
+            if isinstance(module, BoundaryRouter):
+                with torch.no_grad():
+                    module.wq.weight.copy_(torch.eye(self.config.hidden_size))
+                    module.wk.weight.copy_(torch.eye(self.config.hidden_size))
+
+    def forward(self, bases: torch.Tensor) -> GeneZipOutput:
+        """``bases`` (batch, seq) ids in ``BASES`` order."""
+        x = self.embedding(bases)
+        valid = torch.ones(bases.shape, dtype=torch.bool, device=bases.device)
+        y, routings, (tokens, token_valid) = self.stage(x, valid)
+        if self.projector is not None:
+            tokens = self.projector(tokens) * token_valid.unsqueeze(-1)
+        return GeneZipOutput(self.output(self.norm(y)), routings, tokens, token_valid)
+
+
+def padded_tokens(output: GeneZipOutput, config: GeneZipConfig) -> torch.Tensor:
+    """The compressed tokens zero-padded to ``config.max_tokens()``: a fixed width for another module."""
+    return F.pad(output.tokens, (0, 0, 0, config.max_tokens() - output.tokens.shape[1]))

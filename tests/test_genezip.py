@@ -1,0 +1,136 @@
+"""GeneZip's parts: causal prediction through dynamic chunking (one and two stages, and fixed stride),
+bounded routing, the de-chunker's EMA, the straight-through confidence, the ratio loss's fixed point, and
+the compressed tokens it hands on."""
+
+import pytest
+import torch
+
+from hetero.models.genezip import (
+    GeneZip,
+    GeneZipConfig,
+    Routing,
+    bound_boundaries,
+    padded_tokens,
+    smooth_chunks,
+    straight_through,
+)
+from hetero.models.genezip_objectives import genezip_loss, ratio_loss, routing_counts
+
+SMALL = dict(seq_len=96, hidden_size=32, num_heads=4, main_layers=1, local_window=8, routing_window=16)
+
+
+@pytest.mark.parametrize("stages,routing", [(1, "dynamic"), (2, "dynamic"), (1, "fixed"), (2, "fixed")])
+def test_prediction_is_causal(stages, routing):
+    """Changing base t changes no prediction before t, and some prediction from t on."""
+    torch.manual_seed(0)
+    config = GeneZipConfig(**SMALL, stages=stages, routing=routing, min_boundaries=2, max_boundaries=6)
+    model = GeneZip(config)
+    for router in (m.router for m in model.modules() if hasattr(m, "router") and m.router is not None):
+        torch.nn.init.orthogonal_(router.wk.weight)  # boundary probabilities around 1/2: a mix of chunk starts
+    bases = torch.randint(0, 4, (3, config.seq_len))
+    before = model(bases).logits
+    for t in (5, 40, 90):
+        changed = bases.clone()
+        changed[:, t] = (changed[:, t] + 1) % 4
+        after = model(changed).logits
+        assert torch.equal(after[:, :t], before[:, :t])
+        assert (after[:, t:] - before[:, t:]).abs().max() > 1e-4
+
+
+def test_bounded_routing_keeps_floor_and_ceiling_per_window_causally():
+    gen = torch.Generator().manual_seed(0)
+    for density in (0.0, 0.1, 0.5, 1.0):
+        chosen = torch.rand(64, 50, generator=gen) < density
+        bounded = bound_boundaries(chosen, window=16, floor=3, ceiling=5)
+        full = bounded[:, :48].reshape(64, 3, 16).sum(-1)
+        assert bool((full >= 3).all()) and bool((full <= 5).all())
+        assert bool((bounded[:, 48:].sum(-1) == 2).all())  # a last window of 2 positions: both start chunks
+        # A window with at most the ceiling's natural starts keeps every one of them.
+        natural = chosen[:, :48].reshape(64, 3, 16)
+        within = natural.sum(-1, keepdim=True) <= 5
+        assert bool((bounded[:, :48].reshape(64, 3, 16) | ~natural | ~within).all())
+        # Causal: a change at position t leaves every decision before t alone.
+        for t in (7, 20, 49):
+            flipped = chosen.clone()
+            flipped[:, t] = ~flipped[:, t]
+            assert torch.equal(bound_boundaries(flipped, 16, 3, 5)[:, :t], bounded[:, :t])
+
+
+def test_floor_fills_the_end_of_a_window_and_ceiling_drops_late_starts():
+    none = torch.zeros(1, 8, dtype=torch.bool)
+    assert bound_boundaries(none, 8, 2, 0).int().tolist() == [[0, 0, 0, 0, 0, 0, 1, 1]]
+    every = torch.ones(1, 8, dtype=torch.bool)
+    assert bound_boundaries(every, 8, 0, 3).int().tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]
+
+
+def test_smoothing_is_the_ema_of_chunk_states():
+    gen = torch.Generator().manual_seed(0)
+    states, rate = torch.randn(2, 6, 4, generator=gen), torch.rand(2, 6, generator=gen)
+    rate[:, 0] = 1
+    expected, previous = [], torch.zeros(2, 4)
+    for j in range(6):
+        previous = rate[:, j, None] * states[:, j] + (1 - rate[:, j, None]) * previous
+        expected.append(previous)
+    assert torch.allclose(smooth_chunks(states, rate), torch.stack(expected, 1))
+    assert torch.equal(smooth_chunks(states, torch.ones(2, 6)), states)
+
+
+def test_straight_through_is_one_forward_with_the_confidence_gradient():
+    confidence = torch.tensor([0.2, 0.9], requires_grad=True)
+    value = straight_through(confidence)
+    assert value.tolist() == [1.0, 1.0]
+    (value * torch.tensor([3.0, 5.0])).sum().backward()
+    assert confidence.grad.tolist() == [3.0, 5.0]
+
+
+def routing_with(fraction: float, probability: float, length: int = 120) -> Routing:
+    boundary = torch.zeros(1, length, dtype=torch.bool)
+    boundary[0, :: round(1 / fraction)] = True
+    return Routing(torch.full((1, length), probability, requires_grad=True), boundary, torch.ones_like(boundary))
+
+
+@pytest.mark.parametrize("target", [2.0, 4.0, 8.0])
+def test_ratio_loss_pushes_toward_its_target(target):
+    """The gradient on the boundary probabilities raises them when too few positions start chunks and
+    lowers them when too many do: the fixed point is 1/target of positions."""
+    for fraction, sign in ((1 / (2 * target), -1), (min(1.0, 2 / target), 1)):
+        routing = routing_with(fraction, 0.5)
+        ratio_loss(routing, torch.tensor([target]), None).sum().backward()
+        assert torch.sign(routing.probability.grad.sum()) == sign
+
+
+def test_region_targets_apply_per_region():
+    """With regions, each region's positions are pushed toward its own target."""
+    routing = routing_with(1 / 4, 0.5)
+    regions = torch.zeros(1, 120, dtype=torch.long)
+    regions[0, 60:] = 1
+    ratio_loss(routing, torch.tensor([8.0, 2.0]), regions).sum().backward()
+    grad = routing.probability.grad[0]
+    assert bool((grad[:60] > 0).all()) and bool((grad[60:] < 0).all())  # region 0: fewer; region 1: more
+
+
+def test_fixed_stride_and_the_tokens_it_hands_on():
+    config = GeneZipConfig(**SMALL, routing="fixed", target_bpt=4, out_size=16)
+    torch.manual_seed(0)
+    model = GeneZip(config)
+    bases = torch.randint(0, 4, (2, config.seq_len))
+    output = model(bases)
+    assert output.routings[0].boundary[0].nonzero().flatten().tolist() == list(range(0, config.seq_len, 4))
+    tokens = padded_tokens(output, config)
+    assert tokens.shape == (2, config.max_tokens(), 16) == (2, 24, 16)
+    counts = routing_counts(output.routings[0], torch.zeros_like(bases), config.routing_window)
+    assert counts.overall_bases_per_token() == 4.0 and counts.fewest_per_window == 4
+    loss = genezip_loss(config, output, bases, None)
+    assert float(loss.ratio.abs().sum()) == 0.0  # a fixed stride has nothing to route
+
+
+def test_dynamic_tokens_are_padded_to_the_ceiling():
+    config = GeneZipConfig(**SMALL, min_boundaries=1, max_boundaries=5, out_size=32)
+    torch.manual_seed(0)
+    output = GeneZip(config)(torch.randint(0, 4, (3, config.seq_len)))
+    tokens = padded_tokens(output, config)
+    assert tokens.shape == (3, 30, 32)
+    counts = output.routings[0].boundary.sum(1)
+    for row, count in enumerate(counts.tolist()):
+        assert torch.equal(tokens[row, count:], torch.zeros_like(tokens[row, count:]))
+        assert bool(tokens[row, :count].abs().sum(-1).gt(0).all())

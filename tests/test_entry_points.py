@@ -76,7 +76,7 @@ def test_genezip_benchmark_prints_every_model(tmp_path):
     """Tiny budgets: genome shards, the three models trained, every held-out window evaluated; a row per
     model with its BPT per region and the floor check."""
     done = subprocess.run(
-        ["hetero", "bench", "genezip", "--steps", "2", "--window", "256", "--hidden", "16", "--main-layers", "1",
+        ["hetero", "bench", "genezip", "--steps", "2", "--window", "512", "--hidden", "16", "--main-layers", "1",
          "--encoder-layers", "1", "--local-window", "16", "--batch", "2", "--seeds", "0", "--data", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )

@@ -95,4 +95,4 @@ def test_hetero_train_feeds_dna_and_images_into_the_llm(tmp_path):
     assert "step     2 | loss" in out and "dna loss" in out
     assert "boundary.dna->llm.forward=" in out and "boundary.vision->llm.forward=" in out
     assert "grad_sync.dna=" in out
-    assert "held-out digit accuracy" in out and "GC-decile accuracy" in out
+    assert "held-out digit accuracy" in out and "GC-bin accuracy" in out

@@ -28,7 +28,7 @@ from hetero.train.vlm import ModuleSetup, VLMTrainer
 
 
 def evaluate(trainer: VLMTrainer, heldout: DigitBatches) -> dict[str, float]:
-    """Held-out accuracy of the digit (and, with a DNA encoder, of the window's GC decile)."""
+    """Held-out accuracy of the digit (and, with a DNA encoder, of the window's GC-content bin)."""
     hits: dict[str, float] = {}
     total = 0.0
     for batch in heldout.ordered_batches():

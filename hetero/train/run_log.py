@@ -69,7 +69,7 @@ class RunLog:
             return
         shown = f"held-out digit accuracy {accuracy['accuracy']:.3f}"
         if "gc_accuracy" in accuracy:
-            shown += f", GC-decile accuracy {accuracy['gc_accuracy']:.3f}"
+            shown += f", GC-bin accuracy {accuracy['gc_accuracy']:.3f}"
         print(f"step {step:5d} | {shown} | {seconds:.0f} s", flush=True)
         if self.wandb is not None:
             self.wandb.log({f"heldout/{key}": value for key, value in accuracy.items()}, step=step)

@@ -236,7 +236,7 @@ class VLMTrainer:
         for module in self.modules.values():
             module.optimizer.zero_grad(set_to_none=True)
 
-        # Per evaluated position (the digit; with DNA, its GC decile): correct predictions, predictions made.
+        # Per evaluated position (the digit; with DNA, its GC bin): correct predictions, predictions made.
         keys = ["digit_position"] + (["gc_position"] if self.dna_config is not None else [])
         hits = torch.zeros(len(keys), 2, dtype=torch.float64)
         positions = None if update else torch.stack([batch[k] for k in keys], dim=1)

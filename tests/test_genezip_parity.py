@@ -8,11 +8,11 @@ from hetero.data.genome import annotated_genome
 from hetero.models.genezip import BoundaryRouter, GeneZip, GeneZipConfig
 from hetero.models.genezip_objectives import genezip_loss
 from hetero.models.genezip_parallelize import parallelize_genezip
-from hetero.parallel.data import AllReduceGradSync
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.placement import place
+from hetero.testing.grads import synced_full_grads
 from hetero.testing.multiprocess import run_ranks
 
 BATCH, LENGTH = 4, 96
@@ -61,13 +61,7 @@ def run(rank, world_size, layout_kwargs, options, stages, bases, regions):
     loss = loss_of(model, bases[rows], regions[rows])
     loss.backward()
     named = list(model.named_parameters())
-    if mesh.layout.dp > 1 and not options.fsdp:
-        AllReduceGradSync(named, mesh.group("dp")).sync()
-    grads = {}
-    for name, p in named:
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[name.replace("_checkpoint_wrapped_module.", "")] = grad.detach().clone()
-    return loss.item(), grads
+    return loss.item(), synced_full_grads(named, mesh, options)
 
 
 @pytest.mark.parametrize(

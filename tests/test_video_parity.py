@@ -11,11 +11,11 @@ from hetero.models.video_memory import MemoryConfig
 from hetero.models.video_objectives import clip_attention, sequence_tokens
 from hetero.models.video_parallelize import parallelize_video
 from hetero.models.video_router import ImportanceRouter, sparsity
-from hetero.parallel.data import AllReduceGradSync
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.placement import place
+from hetero.testing.grads import synced_full_grads
 from hetero.testing.multiprocess import run_ranks
 from test_video_generator import clip_frames
 
@@ -74,13 +74,7 @@ def run(rank, world_size, layout_kwargs, options):
     loss = loss_of(model, router, rows)
     loss.backward()
     named = list(model.named_parameters()) + [(f"router.{n}", p) for n, p in router.named_parameters()]
-    if mesh.layout.dp > 1 and not options.fsdp:
-        AllReduceGradSync(named, mesh.group("dp")).sync()
-    grads = {}
-    for name, p in named:
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[name.replace("_checkpoint_wrapped_module.", "")] = grad.detach().clone()
-    return loss.item(), grads
+    return loss.item(), synced_full_grads(named, mesh, options)
 
 
 @pytest.mark.parametrize(

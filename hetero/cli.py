@@ -36,7 +36,7 @@ def _train(args: argparse.Namespace) -> int:
     nproc = args.nproc or validate(load_experiment(name, overrides)).world_size
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "hetero.train.run", *selection, *overrides,
+        f"--max-restarts={args.max_restarts}", "-m", "hetero.train.run", *selection, *overrides,
     ]
     print(" ".join(command), flush=True)
     return subprocess.call(command)
@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("config", nargs="*", metavar="CONFIG [OVERRIDE ...]", help="as for hetero layout")
     train.add_argument("--nproc", type=int, default=0, help="processes (default: the experiment's world_size)")
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="times torchrun restarts every rank after one fails; each restart resumes from the newest checkpoint",
+    )
     train.set_defaults(run=_train)
     data = commands.add_parser("data", help="write datasets to webdataset shards")
     from hetero.data import digits, genome

@@ -32,6 +32,7 @@ from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.placement import Placement, place
+from hetero.train.checkpoint import CheckpointConfig
 from hetero.train.optim import OptimizerConfig
 
 CONFIG_DIR = Path(os.environ.get("HETERO_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
@@ -73,6 +74,9 @@ class TrainConfig:
     run_dir: str = "outputs"  # each run writes under run_dir/<experiment name>
     wandb: str = "offline"  # offline | disabled: no network is ever needed
     wandb_project: str = "hetero"
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    nonfinite: str = "skip"  # a NaN/Inf loss or gradient on any rank: skip the step everywhere | stop the job
+    bad_shards: str = "error"  # a corrupt data shard: error | skip (leave its samples out, with a warning)
 
 
 @dataclass
@@ -128,11 +132,28 @@ def _field_error(prefix: str, err: OmegaConfBaseException) -> ConfigError:
     return ConfigError(f"{where}: {message}")
 
 
+def _refuse_targets(node: Any, where: str) -> None:
+    """hetero never instantiates a class a config names: modules come from its registry by ``kind``."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            path = f"{where}.{key}" if where else str(key)
+            if key == "_target_":
+                raise ConfigError(
+                    f"{path}={value!r}: configs cannot name classes to instantiate; a module picks its model "
+                    f"from hetero's registry with kind: one of {', '.join(MODEL_CONFIGS)}"
+                )
+            _refuse_targets(value, path)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _refuse_targets(value, f"{where}[{i}]")
+
+
 def experiment_from_dict(raw: DictConfig | dict) -> ExperimentConfig:
     """Type-check a composed config against the schema; modules are the non-reserved top-level keys."""
     container = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else raw
     assert isinstance(container, dict)
     container = {k: v for k, v in container.items() if k not in ("experiment", "hydra")}
+    _refuse_targets(container, "")
     top = {k: v for k, v in container.items() if k in _TOP_LEVEL}
     modules: dict[str, ModuleConfig] = {}
     for name, node in container.items():
@@ -276,6 +297,14 @@ def validate(experiment: ExperimentConfig) -> Placement:
         errors.append(f"train.wandb={experiment.train.wandb!r} is not one of offline, disabled")
     if experiment.train.steps < 1:
         errors.append(f"train.steps={experiment.train.steps} must be >= 1")
+    for key, allowed in (("nonfinite", ("skip", "stop")), ("bad_shards", ("error", "skip"))):
+        if getattr(experiment.train, key) not in allowed:
+            errors.append(f"train.{key}={getattr(experiment.train, key)!r} is not one of {', '.join(allowed)}")
+    checkpoint = experiment.train.checkpoint
+    if checkpoint.every < 0 or checkpoint.keep < 0:
+        errors.append(
+            f"train.checkpoint.every={checkpoint.every} and train.checkpoint.keep={checkpoint.keep} must be >= 0"
+        )
     if errors:
         raise ConfigError("\n".join(errors))
     return placement

@@ -209,6 +209,27 @@ CASES = {
         setter("batchsize", 4),
         r"top-level key 'batchsize' is neither an experiment field",
     ),
+    "a class to instantiate in a module": (
+        setter("llm.model._target_", "os.system"),
+        r"llm\.model\._target_='os\.system': configs cannot name classes to instantiate; a module picks its "
+        r"model from hetero's registry with kind: one of gpt, vit",
+    ),
+    "a class to instantiate at the top level": (
+        setter("_target_", "subprocess.Popen"),
+        r"_target_='subprocess\.Popen': configs cannot name classes to instantiate",
+    ),
+    "a kind outside the registry": (
+        setter("llm.kind", "os.system"),
+        r"llm\.kind='os\.system' is not a known module kind; use one of gpt, vit",
+    ),
+    "unknown non-finite policy": (
+        setter("train", {"nonfinite": "ignore"}),
+        r"train\.nonfinite='ignore' is not one of skip, stop",
+    ),
+    "negative checkpoint interval": (
+        setter("train", {"checkpoint": {"every": -5}}),
+        r"train\.checkpoint\.every=-5 and train\.checkpoint\.keep=2 must be >= 0",
+    ),
 }
 
 

@@ -212,6 +212,20 @@ def test_corrupt_shard_raises_an_error_naming_the_file(shard_dir, tmp_path, dama
         heldout_batches(tmp_path / "copy")
 
 
+def test_skip_policy_leaves_a_corrupt_shard_out_with_a_warning(shard_dir, tmp_path):
+    """``train.bad_shards=skip``: the other shards' samples, in order; a warning names the bad file."""
+    dest = tmp_path / "copy"
+    shutil.copytree(shard_dir, dest)
+    bad = dest / "train-000002.tar"
+    bad.write_bytes(bad.read_bytes()[:1000])
+    with pytest.warns(UserWarning, match=rf"shard {bad} is truncated or corrupt.*skipped .*256 samples are left out"):
+        kept = read_split(dest, "train", bad_shards="skip")
+    everything = read_split(shard_dir, "train")
+    assert [s["json"]["index"] for s in kept] == [s["json"]["index"] for s in everything[:512] + everything[768:]]
+    with pytest.raises(ShardError, match=str(bad)):
+        read_split(dest, "train")
+
+
 def test_a_directory_without_manifest_is_not_a_shard_set(shard_dir, tmp_path):
     copy_heldout_set(shard_dir, tmp_path / "copy")
     (tmp_path / "copy" / MANIFEST).unlink()

@@ -58,9 +58,12 @@ class DigitDnaBatches(DigitBatches):
         num_dna_tokens: int,
         seq_len: int,
         seed: int = 0,
+        bad_shards: str = "error",
     ):
-        super().__init__(digit_dir, split, global_batch_size, num_image_tokens + num_dna_tokens, seq_len, seed)
-        captions = {s["json"]["index"]: s["txt"] for s in read_split(digit_dir, split)}
+        super().__init__(
+            digit_dir, split, global_batch_size, num_image_tokens + num_dna_tokens, seq_len, seed, bad_shards
+        )
+        captions = {s["json"]["index"]: s["txt"] for s in read_split(digit_dir, split, bad_shards)}
         windows = _train_windows(Path(genome_dir)) if split == "train" else GenomeWindows(genome_dir, split, 1)
         bases, regions = windows.column("bases"), windows.column("regions")
         pick = (self._data["index"] * PAIR_STRIDE) % len(windows)

@@ -228,12 +228,14 @@ class DigitBatches(SampleBatches):
         num_image_tokens: int,
         seq_len: int,
         seed: int = 0,
+        bad_shards: str = "error",
     ):
+        """``bad_shards``: what a corrupt shard does, ``error`` or ``skip`` (see ``read_split``)."""
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size={global_batch_size} must be at least 1")
         if num_image_tokens < 0:
             raise ValueError(f"num_image_tokens={num_image_tokens} must not be negative")
-        samples = read_split(shard_dir, split)
+        samples = read_split(shard_dir, split, bad_shards)
         longest = max(len(encode(s["txt"])) for s in samples)
         if num_image_tokens + longest > seq_len:
             raise ValueError(

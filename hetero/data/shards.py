@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -114,12 +115,13 @@ def load_manifest(shard_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def read_split(shard_dir: str | os.PathLike, split: str) -> list[dict[str, Any]]:
+def read_split(shard_dir: str | os.PathLike, split: str, bad_shards: str = "error") -> list[dict[str, Any]]:
     """All decoded samples of ``split``, in the order they were written.
 
     Every rank reads the whole split: webdataset's node and worker splitting are turned off because
     they split by global rank (``RANK``/``WORLD_SIZE``), while hetero gives each module's DP rank its
-    rows by that module's own DP coordinate.
+    rows by that module's own DP coordinate. A missing or corrupt shard raises ``ShardError``, or with
+    ``bad_shards="skip"`` is left out with a warning (every rank skips the same shards).
     """
     shard_dir = Path(shard_dir)
     splits = load_manifest(shard_dir)["splits"]
@@ -127,7 +129,14 @@ def read_split(shard_dir: str | os.PathLike, split: str) -> list[dict[str, Any]]
         raise ShardError(f"{shard_dir / MANIFEST} has no split {split!r}; it has {sorted(splits)}")
     samples: list[dict[str, Any]] = []
     for shard in splits[split]["shards"]:
-        samples.extend(_read_shard(shard_dir / shard["file"], shard))
+        try:
+            samples.extend(_read_shard(shard_dir / shard["file"], shard))
+        except ShardError as err:
+            if bad_shards != "skip":
+                raise
+            warnings.warn(f"{err}; skipped (train.bad_shards=skip): its {shard['count']} samples are left out")
+    if not samples:
+        raise ShardError(f"{shard_dir}: no readable shard in split {split!r}")
     return samples
 
 

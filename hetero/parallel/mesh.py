@@ -63,8 +63,23 @@ def init_distributed(placement: Placement, backend: str = "auto", timeout_s: flo
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(
+                backend=backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                world_size=launched, timeout=timeout,
+            )
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank()
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """torchrun's agent store, under a prefix per restart. torch 2.13 hands restarted ranks the store of
+    the failed attempt with its keys still in it, and gloo then connects to the dead ranks' addresses
+    (measured: every ``--max-restarts`` restart failed in ``connectFullMesh``)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"hetero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def build_module_meshes(

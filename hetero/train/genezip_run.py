@@ -10,31 +10,37 @@ at every evaluation, held-out bits per base and the achieved bases per token per
 
 from __future__ import annotations
 
+import math
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hetero.config import ExperimentConfig, validate
+from hetero.config import ExperimentConfig
 from hetero.data.digits import dp_slice
 from hetero.data.genome import GenomeOptions, GenomeWindows, ensure_genome_shards, genome_shards
 from hetero.models.genezip import GeneZip
 from hetero.models.genezip_objectives import genezip_loss, heldout_metrics
 from hetero.models.genezip_parallelize import parallelize_genezip
 from hetero.parallel.data import AllReduceGradSync
-from hetero.parallel.mesh import build_module_meshes, init_distributed
+from hetero.train.job import Job, SingleModule, start_job
 from hetero.train.optim import build_adamw, clip_gradients
-from hetero.train.run_log import RunLog
 
 HELDOUT_BATCH = 64
 
 
 def train_genezip(experiment: ExperimentConfig) -> dict[str, float]:
-    placement = validate(experiment)
+    job = start_job(experiment)
+    with job.guard.running():
+        summary = _train(job)
+    job.log.finish(summary)
+    return summary
+
+
+def _train(job: Job) -> dict[str, float]:
+    experiment, rank = job.experiment, job.rank
     (name,) = experiment.modules
-    rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
-    mesh = build_module_meshes(placement, experiment.timeout_s)[name]
+    mesh = job.meshes[name]
     module, config, cfg = experiment.modules[name], experiment.model_config(name), experiment.train
     data_dir = genome_shards(cfg.genome_dir, config.seq_len)
     if rank == 0:
@@ -49,20 +55,26 @@ def train_genezip(experiment: ExperimentConfig) -> dict[str, float]:
     params = list(model.named_parameters())
     optimizer = build_adamw(model, module.optim)
     sync = AllReduceGradSync(params, mesh.group("dp")) if mesh.layout.dp > 1 else None
-    log = RunLog(experiment, Path(cfg.run_dir) / experiment.name, enabled=rank == 0)
-    started, scores = time.perf_counter(), {}
-    for step in range(1, cfg.steps + 1):
+    state = SingleModule(name, model, optimizer)
+    start = job.resume(state)
+    started, scores, metrics = time.perf_counter(), {}, {"loss": math.nan}
+    for step in range(start + 1, cfg.steps + 1):
         tick = time.perf_counter()
-        rows = dp_slice(train.batch(step - 1), mesh.coord.dp, mesh.layout.dp)
-        loss = genezip_loss(config, model(rows["bases"]), rows["bases"], rows["regions"])
-        for group in optimizer.param_groups:
-            group["lr"] = module.optim.lr_at(step - 1)
-        optimizer.zero_grad()
-        (loss.total(config).sum() / batch_size).backward()  # the DP sum of the ranks' parts: the batch mean
-        if sync is not None:
-            sync.sync()
-        grad_norm = clip_gradients([p for _, p in params], cfg.grad_clip)
-        optimizer.step()
+        with job.guard.step(f"step {step}"):
+            rows = dp_slice(train.batch(step - 1), mesh.coord.dp, mesh.layout.dp)
+            loss = genezip_loss(config, model(rows["bases"]), rows["bases"], rows["regions"])
+            for group in optimizer.param_groups:
+                group["lr"] = module.optim.lr_at(step - 1)
+            optimizer.zero_grad()
+            (loss.total(config).sum() / batch_size).backward()  # the DP sum of the ranks' parts: the batch mean
+            if sync is not None:
+                sync.sync()
+            grad_norm = clip_gradients([p for _, p in params], cfg.grad_clip)  # the same on every rank
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                job.check_finite(step, {name: []})
+        state.step = step
         seconds = time.perf_counter() - tick
         if step % cfg.log_every == 0 or step == cfg.steps:
             reduced = torch.stack([loss.prediction.detach().sum(), loss.ratio.detach().sum()]) / batch_size
@@ -70,14 +82,15 @@ def train_genezip(experiment: ExperimentConfig) -> dict[str, float]:
             metrics = {"loss": float(reduced[0] + config.ratio_weight * reduced[1]), "prediction": float(reduced[0]),
                        "ratio_loss": float(reduced[1]), "grad_norm": grad_norm, "step_s": seconds,
                        "tokens_per_s": batch_size * config.seq_len / seconds}
-            log.progress(step, metrics, {f"grad_sync.{name}": sync.bytes_sent if sync else 0})
+            job.log.progress(step, metrics, {f"grad_sync.{name}": sync.bytes_sent if sync else 0})
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            scores = heldout_metrics(model, heldout.ordered_batches())
+            with job.guard.step(f"evaluation at step {step}"):
+                scores = heldout_metrics(model, heldout.ordered_batches())
             if rank == 0:
                 per_region = ", ".join(f"{k[4:]} {v:.2f}" for k, v in scores.items() if k.startswith("bpt."))
                 print(f"step {step:5d} | held-out {scores['bits_per_base']:.4f} bits/base | bases per token: "
                       f"{per_region} (all {scores['bpt']:.2f}) | {time.perf_counter() - started:.0f} s", flush=True)
-    summary = {"steps": float(cfg.steps), "final_loss": metrics["loss"], **scores,
-               "seconds": time.perf_counter() - started}
-    log.finish(summary)
-    return summary
+        if job.checkpoints.due(step, cfg.steps):
+            job.checkpoints.save(state, step)
+    job.checkpoints.close()
+    return {"steps": float(cfg.steps), "final_loss": metrics["loss"], **scores, "seconds": time.perf_counter() - started}

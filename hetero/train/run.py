@@ -10,20 +10,20 @@ a summary at the end.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hetero.config import ExperimentConfig, load_experiment, validate
-from hetero.errors import ConfigError
+from hetero.config import ExperimentConfig, load_experiment
 from hetero.data.digit_dna import DigitDnaBatches
 from hetero.data.digits import DigitBatches, ensure_digit_shards
 from hetero.data.genome import GenomeOptions, ensure_genome_shards, genome_shards
-from hetero.parallel.mesh import build_module_meshes, init_distributed
-from hetero.train.run_log import RunLog
+from hetero.errors import ConfigError
+from hetero.train.faults import describe_rank
+from hetero.train.job import Job, start_job
 from hetero.train.vlm import ModuleSetup, VLMTrainer
 
 
@@ -96,30 +96,39 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
         from hetero.train.genezip_run import train_genezip
 
         return train_genezip(experiment)
-    placement = validate(experiment)
     for edge in experiment.edges:
         if edge.compression.enabled and (edge.src, edge.dst) != ("vision", "llm"):
             raise ConfigError(
                 f"edges {edge.src}->{edge.dst}: this job compresses only the vision->llm edge; remove the "
                 f"compression block of {edge.src}->{edge.dst}"
             )
-    rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
-    meshes = build_module_meshes(placement, experiment.timeout_s)
+    job = start_job(experiment)
+    with job.guard.running():
+        summary = _train_vlm(job)
+    job.log.finish(summary)
+    return summary
+
+
+def _train_vlm(job: Job) -> dict[str, float]:
+    experiment, placement, guard, log = job.experiment, job.placement, job.guard, job.log
     vision, llm = experiment.model_config("vision"), experiment.model_config("llm")
     dna = experiment.model_config("dna") if "dna" in experiment.modules else None
     cfg = experiment.train
     genome_dir = genome_shards(cfg.genome_dir, dna.seq_len) if dna is not None else None
-    if rank == 0:
+    if dist.get_rank() == 0:
         ensure_digit_shards(cfg.data_dir)
         if dna is not None:
             ensure_genome_shards(genome_dir, GenomeOptions(window=dna.seq_len))
     dist.barrier()
     size = experiment.batch.global_batch_size
     data = {
-        split: DigitBatches(cfg.data_dir, split, size, vision.num_patches, llm.seq_len, experiment.seed)
+        split: DigitBatches(
+            cfg.data_dir, split, size, vision.num_patches, llm.seq_len, experiment.seed, cfg.bad_shards
+        )
         if dna is None
         else DigitDnaBatches(
-            cfg.data_dir, genome_dir, split, size, vision.num_patches, dna.max_tokens(), llm.seq_len, experiment.seed
+            cfg.data_dir, genome_dir, split, size, vision.num_patches, dna.max_tokens(), llm.seq_len,
+            experiment.seed, cfg.bad_shards,
         )
         for split in ("train", "heldout")
     }
@@ -129,7 +138,7 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
     edges = {(edge.src, edge.dst): edge.compression for edge in experiment.edges}
     trainer = VLMTrainer(
         placement,
-        meshes,
+        job.meshes,
         vision,
         llm,
         num_microbatches=experiment.num_microbatches("llm", placement.layouts["llm"].dp),
@@ -141,30 +150,38 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
         sample_reuse=cfg.sample_reuse,
         dna_config=dna,
     )
-    log = RunLog(experiment, Path(cfg.run_dir) / experiment.name, enabled=rank == 0)
+    start = job.resume(trainer)
     tokens_per_step = experiment.batch.global_batch_size * llm.seq_len
     started = time.perf_counter()
     accuracy: dict[str, float] = {}
-    for step in range(1, cfg.steps + 1):
+    metrics = {"loss": math.nan}
+    for step in range(start + 1, cfg.steps + 1):
         tick = time.perf_counter()
-        metrics = trainer.train_step(data["train"].batch((step - 1) // cfg.sample_reuse))
+        with guard.step(f"step {step}"):
+            metrics = trainer.train_step(data["train"].batch((step - 1) // cfg.sample_reuse))
         seconds = time.perf_counter() - tick
+        if not metrics["stepped"]:
+            job.check_finite(step, {m: [describe_rank(placement, r) for r in ranks] for m, ranks in trainer.nonfinite.items()})
         if step % cfg.log_every == 0 or step == cfg.steps:
             comm = communicator_bytes(trainer)
             speed = {"tokens_per_s": tokens_per_step / seconds, "step_s": seconds}
             log.progress(step, metrics | speed | residual_norms(trainer) | compensation_memory(trainer), comm)
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            accuracy = evaluate(trainer, data["heldout"])
+            with guard.step(f"evaluation at step {step}"):
+                accuracy = evaluate(trainer, data["heldout"])
             log.evaluation(step, accuracy, time.perf_counter() - started)
-    summary = {
+        if job.checkpoints.due(step, cfg.steps):
+            job.checkpoints.save(trainer, step)
+    job.checkpoints.close()
+    if not accuracy:  # resumed at the last step: nothing left to train
+        accuracy = evaluate(trainer, data["heldout"])
+    return {
         "steps": float(cfg.steps),
         "final_loss": metrics["loss"],
         "heldout_digit_accuracy": accuracy["accuracy"],
         **({"heldout_gc_accuracy": accuracy["gc_accuracy"]} if "gc_accuracy" in accuracy else {}),
         "seconds": time.perf_counter() - started,
     }
-    log.finish(summary)
-    return summary
 
 
 def main(argv: list[str] | None = None) -> None:

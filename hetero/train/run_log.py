@@ -1,4 +1,5 @@
-"""What a training run reports: a progress line on the console and the same metrics to wandb.
+"""What a training run reports: a progress line on the console, the same metrics to wandb and, one JSON
+object per logged step, to ``<run dir>/metrics.jsonl`` (appended to, so a resumed run continues it).
 
 wandb runs offline by default (``train.wandb=offline``) and writes its run directory under the run's
 folder, so no network or account is ever needed; ``train.wandb=disabled`` turns it off. Only one rank
@@ -7,6 +8,7 @@ folder, so no network or account is ever needed; ``train.wandb=disabled`` turns 
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +35,7 @@ class RunLog:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
+        self.history = (run_dir / "metrics.jsonl").open("a")
         print(f"run {experiment.name}: {run_dir}", flush=True)
         if experiment.train.wandb != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
@@ -62,6 +65,31 @@ class RunLog:
         )
         if self.wandb is not None:
             self.wandb.log(metrics | {f"bytes/{k}": v for k, v in comm.items()}, step=step)
+        self.history.write(json.dumps({"step": step} | metrics | {f"bytes/{k}": v for k, v in comm.items()}) + "\n")
+        self.history.flush()
+
+    def resumed(self, path: Path, step: int, same_local: bool) -> None:
+        if not self.enabled:
+            return
+        print(f"resumed from {path} at step {step}", flush=True)
+        if not same_local:
+            print(
+                "layouts or compression settings differ from the checkpoint's: weights and optimizer states were "
+                "resharded; error-feedback buffers, DiLoCo's outer state, edge compensation and the RNG start afresh",
+                flush=True,
+            )
+
+    def skipped(self, step: int, where: dict[str, list[str]]) -> None:
+        """A step skipped on every rank because of non-finite values: which modules, on which ranks (when
+        known: a job that checks after its gradient sync sees them everywhere)."""
+        if not self.enabled:
+            return
+        found = "; ".join(f"{name} on {', '.join(ranks)}" if ranks else name for name, ranks in where.items())
+        print(f"step {step:5d} | skipped: non-finite loss or gradients in {found}; nothing was updated", flush=True)
+        if self.wandb is not None:
+            self.wandb.log({"skipped_step": 1}, step=step)
+        self.history.write(json.dumps({"step": step, "skipped": where}) + "\n")
+        self.history.flush()
 
     def evaluation(self, step: int, accuracy: dict[str, float], seconds: float) -> None:
         """Held-out accuracies: ``accuracy`` (the digit) and, with a DNA encoder, ``gc_accuracy``."""

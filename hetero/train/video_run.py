@@ -11,13 +11,13 @@ evaluation, the held-out next-frame error on revisited and on all frames.
 
 from __future__ import annotations
 
+import math
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hetero.config import ExperimentConfig, validate
+from hetero.config import ExperimentConfig
 from hetero.data.digits import dp_slice
 from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards
 from hetero.models.video import VideoGenerator
@@ -25,9 +25,8 @@ from hetero.models.video_objectives import distillation_loss, flow_matching_loss
 from hetero.models.video_parallelize import parallelize_video
 from hetero.models.video_router import ImportanceRouter
 from hetero.parallel.data import AllReduceGradSync
-from hetero.parallel.mesh import build_module_meshes, init_distributed
+from hetero.train.job import Job, SingleModule, start_job
 from hetero.train.optim import build_adamw, clip_gradients
-from hetero.train.run_log import RunLog
 
 CLIPS = {"train": 512, "heldout": 64}
 ROUTER_SPARSITY = 0.002
@@ -39,10 +38,17 @@ def to_model(frames: torch.Tensor) -> torch.Tensor:
 
 
 def train_video(experiment: ExperimentConfig) -> dict[str, float]:
-    placement = validate(experiment)
+    job = start_job(experiment)
+    with job.guard.running():
+        summary = _train(job)
+    job.log.finish(summary)
+    return summary
+
+
+def _train(job: Job) -> dict[str, float]:
+    experiment, rank = job.experiment, job.rank
     (name,) = experiment.modules
-    rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
-    mesh = build_module_meshes(placement, experiment.timeout_s)[name]
+    mesh = job.meshes[name]
     module, config, cfg = experiment.modules[name], experiment.model_config(name), experiment.train
     memory = config.memory
     if rank == 0:
@@ -60,43 +66,50 @@ def train_video(experiment: ExperimentConfig) -> dict[str, float]:
                                                if router else [])
     optimizer = build_adamw(torch.nn.ModuleList([model] + ([router] if router else [])), module.optim)
     sync = AllReduceGradSync(params, mesh.group("dp")) if mesh.layout.dp > 1 else None
-    log = RunLog(experiment, Path(cfg.run_dir) / experiment.name, enabled=rank == 0)
-    started, errors = time.perf_counter(), {}
-    for step in range(1, cfg.steps + 1):
+    state = SingleModule(name, torch.nn.ModuleList([model] + ([router] if router else [])), optimizer)
+    start = job.resume(state)
+    started, errors, metrics = time.perf_counter(), {}, {"loss": math.nan}
+    for step in range(start + 1, cfg.steps + 1):
         tick = time.perf_counter()
-        rows = dp_slice(train.batch(step - 1), mesh.coord.dp, mesh.layout.dp)
-        frames = to_model(rows["frames"])
-        share = frames.shape[0] / batch_size  # the DP sum of the ranks' losses is the batch mean
-        generator = torch.Generator().manual_seed(experiment.seed * 1_000_003 + step * 1009 + mesh.coord.dp)
-        loss = flow_matching_loss(model, frames, memory, generator)
-        total = loss
-        if router is not None:  # the generator with the full context is the teacher of its soft-memory self
-            distill, penalty = distillation_loss(model, model, frames, memory, router, generator)
-            total = total + distill + ROUTER_SPARSITY * penalty
-        for group in optimizer.param_groups:
-            group["lr"] = module.optim.lr_at(step - 1)
-        optimizer.zero_grad()
-        (total * share).backward()
-        if sync is not None:
-            sync.sync()
-        grad_norm = clip_gradients([p for _, p in params], cfg.grad_clip)
-        optimizer.step()
+        with job.guard.step(f"step {step}"):
+            rows = dp_slice(train.batch(step - 1), mesh.coord.dp, mesh.layout.dp)
+            frames = to_model(rows["frames"])
+            share = frames.shape[0] / batch_size  # the DP sum of the ranks' losses is the batch mean
+            generator = torch.Generator().manual_seed(experiment.seed * 1_000_003 + step * 1009 + mesh.coord.dp)
+            loss = flow_matching_loss(model, frames, memory, generator)
+            total = loss
+            if router is not None:  # the generator with the full context is the teacher of its soft-memory self
+                distill, penalty = distillation_loss(model, model, frames, memory, router, generator)
+                total = total + distill + ROUTER_SPARSITY * penalty
+            for group in optimizer.param_groups:
+                group["lr"] = module.optim.lr_at(step - 1)
+            optimizer.zero_grad()
+            (total * share).backward()
+            if sync is not None:
+                sync.sync()
+            grad_norm = clip_gradients([p for _, p in params], cfg.grad_clip)  # the same on every rank
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                job.check_finite(step, {name: []})
+        state.step = step
         seconds = time.perf_counter() - tick
         if step % cfg.log_every == 0 or step == cfg.steps:
             reduced = torch.tensor([loss.item() * share])
             dist.all_reduce(reduced, group=mesh.group("dp"))
             metrics = {"loss": reduced.item(), "grad_norm": float(grad_norm), "step_s": seconds,
                        "tokens_per_s": batch_size * frames.shape[1] * config.patches_per_frame / seconds}
-            log.progress(step, metrics, {f"grad_sync.{name}": sync.bytes_sent if sync else 0})
+            job.log.progress(step, metrics, {f"grad_sync.{name}": sync.bytes_sent if sync else 0})
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            errors = evaluate(model, router, heldout, memory)
+            with job.guard.step(f"evaluation at step {step}"):
+                errors = evaluate(model, router, heldout, memory)
             if rank == 0:
                 print(f"step {step:5d} | held-out next-frame MSE: revisited {errors['revisit_mse']:.5f}, "
                       f"all {errors['all_mse']:.5f} | {time.perf_counter() - started:.0f} s", flush=True)
-    summary = {"steps": float(cfg.steps), "final_loss": metrics["loss"], **errors,
-               "seconds": time.perf_counter() - started}
-    log.finish(summary)
-    return summary
+        if job.checkpoints.due(step, cfg.steps):
+            job.checkpoints.save(state, step)
+    job.checkpoints.close()
+    return {"steps": float(cfg.steps), "final_loss": metrics["loss"], **errors, "seconds": time.perf_counter() - started}
 
 
 def evaluate(model, router, heldout: dict[str, torch.Tensor], memory) -> dict[str, float]:

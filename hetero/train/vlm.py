@@ -57,7 +57,7 @@ from hetero.parallel.compressed_p2p import CompressedNextLink, CompressedPreviou
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.edge import EdgeEnd
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
-from hetero.parallel.data import local_grad
+from hetero.parallel.data import local_data, local_grad
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 from hetero.parallel.pipeline import P2PTransport, PipelineStage, run_pipeline
@@ -79,9 +79,40 @@ class ModuleRuntime:
     """One module on this rank: its parallelized model, optimizer and replica sync."""
 
     def __init__(self, name: str, model: nn.Module, mesh: ModuleMesh, setup: ModuleSetup, seed: int):
-        self.name, self.model, self.mesh, self.setup = name, model, mesh, setup
+        self.name, self.model, self.mesh, self.setup, self.seed = name, model, mesh, setup, seed
         self.optimizer = build_adamw(model, setup.optimizer)
         self.replica_sync = ReplicaSync(model, mesh, setup.options, setup.compression, seed)
+
+    def local_state(self) -> dict:
+        """The replica sync's buffers; under DiLoCo also this replica's own weights and optimizer state,
+        which drift apart from the other replicas' between outer rounds."""
+        state: dict = {"replica_sync": self.replica_sync.state_dict()}
+        if self.replica_sync.diloco is not None:
+            params = dict(self.model.named_parameters())
+            state["weights"] = {n: local_data(p).clone() for n, p in params.items()}
+            state["optimizer"] = {
+                n: {k: _local(v).clone() for k, v in self.optimizer.state[p].items()}
+                for n, p in params.items()
+                if p in self.optimizer.state
+            }
+        return state
+
+    def load_local_state(self, state: dict) -> None:
+        self.replica_sync.load_state_dict(state["replica_sync"])
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name in state.get("weights", {}):
+                    local_data(param).copy_(state["weights"][name])
+                for key, value in state.get("optimizer", {}).get(name, {}).items():
+                    _local(self.optimizer.state[param][key]).copy_(value)
+
+    def reset_replica_sync(self) -> None:
+        """Start the replica sync afresh from the current weights (DiLoCo's anchor included)."""
+        self.replica_sync = ReplicaSync(self.model, self.mesh, self.setup.options, self.setup.compression, self.seed)
+
+    def nonfinite(self) -> bool:
+        """Whether any gradient this rank holds has a NaN or an infinity."""
+        return any(not bool(torch.isfinite(g).all()) for g in map(local_grad, self.model.parameters()) if g is not None)
 
     def rows(self, batch_size: int) -> slice:
         """This rank's contiguous rows of a microbatch (by the module's own DP coordinate)."""
@@ -154,6 +185,7 @@ class VLMTrainer:
         self.num_microbatches = num_microbatches
         self.grad_clip = grad_clip
         self.step = 0
+        self.nonfinite: dict[str, list[int]] = {}  # the last training step's, when it was skipped
         self.modules: dict[str, ModuleRuntime] = {}
         if "vision" in meshes:
             torch.manual_seed(seed)  # the same seeds as the single-process VisionLanguageModel
@@ -243,6 +275,7 @@ class VLMTrainer:
         self._training = update
         self._batch_size = size
         self._dna_losses: list[torch.Tensor] = []
+        edge_states = {key: end.state_dict() for key, end in self.edge_ends().items()} if update else {}
         if update:
             self._begin_edges(micro, batch.get("index"))
         if self.graph_pipeline:
@@ -252,6 +285,14 @@ class VLMTrainer:
         extra = {"dna_loss": self._world_dna_loss()} if self.dna_config is not None else {}
         if not update:
             return {"loss": self._world_loss(losses)} | extra | self._world_accuracy(hits)
+        self.nonfinite = self._nonfinite_ranks(losses)
+        if self.nonfinite:  # skipped on every rank: weights, optimizers and compression state stay as they were
+            for key, end in self.edge_ends().items():
+                end.load_state_dict(edge_states[key])
+            for module in self.modules.values():
+                module.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            return {"loss": self._world_loss(losses), "grad_norm": math.nan, "stepped": 0.0} | extra
         for module in self.modules.values():
             module.replica_sync.before_step()
         grad_norm = self._clip_world_wide()
@@ -264,6 +305,49 @@ class VLMTrainer:
                 module.replica_sync.after_step()
         self.step += 1
         return {"loss": self._world_loss(losses), "grad_norm": grad_norm, "stepped": float(stepped)} | extra
+
+    def edge_ends(self) -> dict[str, EdgeEnd]:
+        """This rank's ends of compressed edges (the vision->llm boundary, the LLM's stage edges)."""
+        ends = {f"llm.{side}": end for side, end in self.llm_edges.items()}
+        if self.compressed_boundary is not None:
+            ends["vision->llm.upstream"] = self.compressed_boundary.upstream
+            ends["vision->llm.downstream"] = self.compressed_boundary.downstream
+        return ends
+
+    def checkpoint_modules(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
+        return {name: (module.model, module.optimizer) for name, module in self.modules.items()}
+
+    def local_state(self) -> dict:
+        return {
+            "modules": {name: module.local_state() for name, module in self.modules.items()},
+            "edges": {key: end.state_dict() for key, end in self.edge_ends().items()},
+        }
+
+    def load_local_state(self, state: dict) -> None:
+        for name, module in self.modules.items():
+            module.load_local_state(state["modules"][name])
+        for key, end in self.edge_ends().items():
+            end.load_state_dict(state["edges"][key])
+
+    def reset_local_state(self) -> None:
+        for module in self.modules.values():
+            module.reset_replica_sync()
+
+    def _nonfinite_ranks(self, losses: list[torch.Tensor]) -> dict[str, list[int]]:
+        """Modules with a NaN or infinite gradient (or, for the LLM, loss) on some rank, and those ranks;
+        the same on every rank. Checked before the gradient sync, which would spread the values."""
+        names = list(self.placement.layouts)
+        flags = torch.zeros(len(names), dist.get_world_size())
+        for i, name in enumerate(names):
+            module = self.modules.get(name)
+            bad = module is not None and module.nonfinite()
+            if name == "llm":
+                bad = bad or any(not bool(torch.isfinite(_local(loss)).all()) for loss in losses)
+            flags[i, dist.get_rank()] = float(bad)
+        dist.all_reduce(flags)
+        return {
+            name: [int(r) for r in torch.nonzero(flags[i]).flatten()] for i, name in enumerate(names) if flags[i].any()
+        }
 
     def _begin_edges(self, micro: int, sample_ids: torch.Tensor | None) -> None:
         """Tell every compressed edge end this step's rows (global-batch positions) and whether the batch
@@ -530,6 +614,10 @@ class VLMTrainer:
                 total += sum(values, torch.zeros((), dtype=torch.float64))
         dist.all_reduce(total)
         return float(total)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _no_loss(output: torch.Tensor, target: object) -> torch.Tensor:

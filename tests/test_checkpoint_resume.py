@@ -32,13 +32,15 @@ def losses(tmp_path, run, experiment):
     return {row["step"]: row["loss"] for row in rows}
 
 
-# Every kind of rank-local state at once, on compressed_edges_vlm (vision dp2 on ranks 0-1, the LLM pp2·dp2
-# on ranks 2-5): int8 error feedback for the encoder's gradients; DiLoCo for the LLM with rounds at steps 3
+# Every kind of rank-local state at once, on compressed_edges_vlm moved onto 4 ranks (vision dp2 on ranks
+# 2-3, the LLM pp2·dp2 on ranks 0-3, a mixed placement; images cross from ranks 2-3 to the first stage on
+# 0-1): int8 error feedback for the encoder's gradients; DiLoCo for the LLM with rounds at steps 3
 # and 6, so the resume at step 4 falls inside a round (replicas hold different inner weights); 2-bit
 # activations / 4-bit gradients on the boundary and the LLM's stage edge under lazy sampling (each batch
 # serves 4 steps), so the compensation state crosses the resume. The checkpoint is written asynchronously.
-EVERY_LOCAL_STATE = ["vision.compression.grad.method=int8", "llm.compression.diloco.inner_steps=3",
-                     "train.checkpoint.async_save=true"]
+EVERY_LOCAL_STATE = ["world_size=4", "placement=auto", "llm.layout.offset=0", "vision.layout.offset=2",
+                     "vision.compression.grad.method=int8",
+                     "llm.compression.diloco.inner_steps=3", "train.checkpoint.async_save=true"]
 
 
 def test_resume_with_the_same_layouts_continues_bit_for_bit(tmp_path):

@@ -23,18 +23,14 @@ from hetero.models.genezip import GeneZip
 from hetero.models.genezip_objectives import genezip_loss, heldout_metrics
 from hetero.models.genezip_parallelize import parallelize_genezip
 from hetero.parallel.data import AllReduceGradSync
-from hetero.train.job import Job, SingleModule, start_job
-from hetero.train.optim import build_adamw, clip_gradients
+from hetero.train.job import Job, SingleModule, run_job
+from hetero.train.optim import build_adamw
 
 HELDOUT_BATCH = 64
 
 
 def train_genezip(experiment: ExperimentConfig) -> dict[str, float]:
-    job = start_job(experiment)
-    with job.guard.running():
-        summary = _train(job)
-    job.log.finish(summary)
-    return summary
+    return run_job(experiment, _train)
 
 
 def _train(job: Job) -> dict[str, float]:
@@ -67,13 +63,7 @@ def _train(job: Job) -> dict[str, float]:
                 group["lr"] = module.optim.lr_at(step - 1)
             optimizer.zero_grad()
             (loss.total(config).sum() / batch_size).backward()  # the DP sum of the ranks' parts: the batch mean
-            if sync is not None:
-                sync.sync()
-            grad_norm = clip_gradients([p for _, p in params], cfg.grad_clip)  # the same on every rank
-            if math.isfinite(grad_norm):
-                optimizer.step()
-            else:
-                job.check_finite(step, {name: []})
+            grad_norm = job.apply_gradients(step, name, optimizer, [p for _, p in params], sync)
         state.step = step
         seconds = time.perf_counter() - tick
         if step % cfg.log_every == 0 or step == cfg.steps:

@@ -2,23 +2,27 @@
 
 ``start_job`` validates the experiment, finds and verifies the checkpoint to resume from (before any
 process group exists), joins the launcher's world, builds every module's meshes and returns a ``Job``.
-A job's loop then runs inside ``job.guard.running()``, resumes with ``job.resume(state)`` and saves with
-``job.checkpoints``.
+``run_job`` runs a job's loop inside ``job.guard.running()``; the loop resumes with ``job.resume(state)``
+and saves with ``job.checkpoints``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
 from hetero.config import ExperimentConfig, validate
+from hetero.parallel.data import GradSync
 from hetero.parallel.mesh import ModuleMesh, build_module_meshes, init_distributed
 from hetero.parallel.placement import Placement
 from hetero.train.checkpoint import Checkpointable, Checkpointer, RunIdentity, check_resumable, resolve_resume
 from hetero.train.faults import FaultGuard, NonFiniteError
+from hetero.train.optim import clip_gradients
 from hetero.train.run_log import RunLog
 
 
@@ -64,6 +68,20 @@ class Job:
         self.log.resumed(self.resume_from, step, self.same_local)
         return step
 
+    def apply_gradients(
+        self, step: int, name: str, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], sync: GradSync | None
+    ) -> float:
+        """A lone module's update: sync gradients over DP, clip them (``train.grad_clip``), then step, or skip
+        the step when the synced norm (the same on every rank) is not finite. Returns the norm."""
+        if sync is not None:
+            sync.sync()
+        norm = clip_gradients(params, self.experiment.train.grad_clip)
+        if math.isfinite(norm):
+            optimizer.step()
+        else:
+            self.check_finite(step, {name: []})
+        return norm
+
     def check_finite(self, step: int, where: dict[str, list[str]]) -> None:
         """Log a step skipped for non-finite values (``where``: module -> ranks) and apply the policy."""
         self.log.skipped(step, where)
@@ -72,6 +90,15 @@ class Job:
                 f"step {step}: non-finite loss or gradients in {', '.join(where)}; train.nonfinite=stop ends the "
                 f"job (train.nonfinite=skip skips such steps)"
             )
+
+
+def run_job(experiment: ExperimentConfig, loop: Callable[[Job], dict[str, float]]) -> dict[str, float]:
+    """Start the job, run its ``loop`` under the fault guard, log the summary and leave the process group."""
+    job = start_job(experiment)
+    with job.guard.running():
+        summary = loop(job)
+    job.log.finish(summary)
+    return summary
 
 
 def start_job(experiment: ExperimentConfig) -> Job:

@@ -23,7 +23,7 @@ from hetero.data.digits import DigitBatches, ensure_digit_shards
 from hetero.data.genome import GenomeOptions, ensure_genome_shards, genome_shards
 from hetero.errors import ConfigError
 from hetero.train.faults import describe_rank
-from hetero.train.job import Job, start_job
+from hetero.train.job import Job, run_job
 from hetero.train.vlm import ModuleSetup, VLMTrainer
 
 
@@ -102,11 +102,7 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
                 f"edges {edge.src}->{edge.dst}: this job compresses only the vision->llm edge; remove the "
                 f"compression block of {edge.src}->{edge.dst}"
             )
-    job = start_job(experiment)
-    with job.guard.running():
-        summary = _train_vlm(job)
-    job.log.finish(summary)
-    return summary
+    return run_job(experiment, _train_vlm)
 
 
 def _train_vlm(job: Job) -> dict[str, float]:

@@ -25,8 +25,8 @@ from hetero.models.video_objectives import distillation_loss, flow_matching_loss
 from hetero.models.video_parallelize import parallelize_video
 from hetero.models.video_router import ImportanceRouter
 from hetero.parallel.data import AllReduceGradSync
-from hetero.train.job import Job, SingleModule, start_job
-from hetero.train.optim import build_adamw, clip_gradients
+from hetero.train.job import Job, SingleModule, run_job
+from hetero.train.optim import build_adamw
 
 CLIPS = {"train": 512, "heldout": 64}
 ROUTER_SPARSITY = 0.002
@@ -38,11 +38,7 @@ def to_model(frames: torch.Tensor) -> torch.Tensor:
 
 
 def train_video(experiment: ExperimentConfig) -> dict[str, float]:
-    job = start_job(experiment)
-    with job.guard.running():
-        summary = _train(job)
-    job.log.finish(summary)
-    return summary
+    return run_job(experiment, _train)
 
 
 def _train(job: Job) -> dict[str, float]:
@@ -85,13 +81,7 @@ def _train(job: Job) -> dict[str, float]:
                 group["lr"] = module.optim.lr_at(step - 1)
             optimizer.zero_grad()
             (total * share).backward()
-            if sync is not None:
-                sync.sync()
-            grad_norm = clip_gradients([p for _, p in params], cfg.grad_clip)  # the same on every rank
-            if math.isfinite(grad_norm):
-                optimizer.step()
-            else:
-                job.check_finite(step, {name: []})
+            grad_norm = job.apply_gradients(step, name, optimizer, [p for _, p in params], sync)
         state.step = step
         seconds = time.perf_counter() - tick
         if step % cfg.log_every == 0 or step == cfg.steps:

@@ -48,6 +48,8 @@ BENCHMARKS = {
     "compression": "hetero.bench.compression",
     "genezip": "hetero.bench.genezip",
     "overhead": "hetero.bench.overhead",
+    "plan-accuracy": "hetero.bench.plan_accuracy",
+    "throughput": "hetero.bench.throughput",
     "video-memory": "hetero.bench.video_memory",
     "vlm": "hetero.bench.vlm",
 }
@@ -103,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(run=_bench)
+    from hetero.plan.command import add_parser as add_plan
+
+    add_plan(commands)
     return parser
 
 

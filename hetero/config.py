@@ -69,6 +69,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # one gradient-norm clip over every module (0: off)
     log_every: int = 10
     eval_every: int = 100  # held-out evaluation (0: only at the end)
+    eval_batches: int = 0  # held-out batches per evaluation (0: the whole held-out split)
     data_dir: str = "data/digits"  # webdataset shards; written there on first use
     genome_dir: str = "data/genome"  # a DNA module's genome shards, one set per window length under it
     run_dir: str = "outputs"  # each run writes under run_dir/<experiment name>

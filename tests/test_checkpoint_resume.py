@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 
-COMMON = ["train.log_every=1", "train.eval_every=0", "train.steps=8", "train.checkpoint.every=4"]
+COMMON = ["train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.steps=8", "train.checkpoint.every=4"]
 
 
 def hetero_train(tmp_path, run, experiment, *overrides):

@@ -21,7 +21,7 @@ from hetero.train.checkpoint import check_resumable
 from hetero.train.checkpoint_files import complete_checkpoints
 from hetero.train.job import run_identity
 
-STEPS = ["train.steps=12", "train.log_every=1", "train.eval_every=0", "train.wandb=disabled",
+STEPS = ["train.steps=12", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.wandb=disabled",
          "train.checkpoint.every=3", "train.checkpoint.keep=3"]
 
 
@@ -100,7 +100,8 @@ def test_a_killed_rank_ends_every_rank_and_the_restart_resumes(tmp_path):
 
 # The lone GeneZip job on one process (its own loop, the same checkpoints): small windows, few steps.
 ONE_RANK = ["world_size=1", "dna.layout.tp=1", "dna.model.seq_len=256", "batch.global_batch_size=4",
-            "batch.micro_batch_size=4", "train.log_every=1", "train.eval_every=0", "train.wandb=disabled",
+            "batch.micro_batch_size=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
+            "train.wandb=disabled",
             "train.checkpoint.every=2"]
 
 KILL_IN_SECOND_SAVE = """

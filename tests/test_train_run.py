@@ -8,7 +8,7 @@ import sys
 
 def hetero_train(tmp_path, experiment, *overrides, data="digits"):
     """``hetero train experiment`` in ``tmp_path`` with data and runs under it; the finished process."""
-    paths = [f"train.data_dir={tmp_path / data}", f"train.run_dir={tmp_path / 'runs'}"]
+    paths = [f"train.data_dir={tmp_path / data}", f"train.run_dir={tmp_path / 'runs'}", "train.eval_batches=1"]
     done = subprocess.run(
         [sys.executable, "-m", "hetero.cli", "train", experiment, *overrides, *paths],
         capture_output=True, text=True, timeout=400, cwd=tmp_path,

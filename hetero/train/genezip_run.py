@@ -10,6 +10,7 @@ at every evaluation, held-out bits per base and the achieved bases per token per
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -75,7 +76,7 @@ def _train(job: Job) -> dict[str, float]:
             job.log.progress(step, metrics, {f"grad_sync.{name}": sync.bytes_sent if sync else 0})
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             with job.guard.step(f"evaluation at step {step}"):
-                scores = heldout_metrics(model, heldout.ordered_batches())
+                scores = heldout_metrics(model, itertools.islice(heldout.ordered_batches(), cfg.eval_batches or None))
             if rank == 0:
                 per_region = ", ".join(f"{k[4:]} {v:.2f}" for k, v in scores.items() if k.startswith("bpt."))
                 print(f"step {step:5d} | held-out {scores['bits_per_base']:.4f} bits/base | bases per token: "

@@ -10,6 +10,7 @@ a summary at the end.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
@@ -22,16 +23,19 @@ from hetero.data.digit_dna import DigitDnaBatches
 from hetero.data.digits import DigitBatches, ensure_digit_shards
 from hetero.data.genome import GenomeOptions, ensure_genome_shards, genome_shards
 from hetero.errors import ConfigError
+from hetero.parallel.mesh import ModuleMesh
+from hetero.parallel.placement import Placement
 from hetero.train.faults import describe_rank
 from hetero.train.job import Job, run_job
 from hetero.train.vlm import ModuleSetup, VLMTrainer
 
 
-def evaluate(trainer: VLMTrainer, heldout: DigitBatches) -> dict[str, float]:
-    """Held-out accuracy of the digit (and, with a DNA encoder, of the window's GC-content bin)."""
+def evaluate(trainer: VLMTrainer, heldout: DigitBatches, max_batches: int = 0) -> dict[str, float]:
+    """Held-out accuracy of the digit (and, with a DNA encoder, of the window's GC-content bin), over the
+    first ``max_batches`` held-out batches (0: all)."""
     hits: dict[str, float] = {}
     total = 0.0
-    for batch in heldout.ordered_batches():
+    for batch in itertools.islice(heldout.ordered_batches(), max_batches or None):
         if batch["images"].shape[0] != heldout.global_batch_size:
             continue  # a short last batch would not split into the microbatches
         metrics = trainer.evaluate(batch)
@@ -96,45 +100,56 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
         from hetero.train.genezip_run import train_genezip
 
         return train_genezip(experiment)
+    check_vlm_edges(experiment)
+    return run_job(experiment, _train_vlm)
+
+
+def check_vlm_edges(experiment: ExperimentConfig) -> None:
+    """A VLM job compresses only the vision->llm edge."""
     for edge in experiment.edges:
         if edge.compression.enabled and (edge.src, edge.dst) != ("vision", "llm"):
             raise ConfigError(
                 f"edges {edge.src}->{edge.dst}: this job compresses only the vision->llm edge; remove the "
                 f"compression block of {edge.src}->{edge.dst}"
             )
-    return run_job(experiment, _train_vlm)
 
 
-def _train_vlm(job: Job) -> dict[str, float]:
-    experiment, placement, guard, log = job.experiment, job.placement, job.guard, job.log
+def vlm_batches(experiment: ExperimentConfig, split: str) -> DigitBatches:
+    """A VLM experiment's batches of ``split`` (train | heldout): digits, with DNA windows when a ``dna``
+    module exists. The shards must exist (``build_vlm`` writes them on first use)."""
+    vision, llm = experiment.model_config("vision"), experiment.model_config("llm")
+    cfg, size = experiment.train, experiment.batch.global_batch_size
+    if "dna" not in experiment.modules:
+        return DigitBatches(cfg.data_dir, split, size, vision.num_patches, llm.seq_len, experiment.seed, cfg.bad_shards)
+    dna = experiment.model_config("dna")
+    return DigitDnaBatches(
+        cfg.data_dir, genome_shards(cfg.genome_dir, dna.seq_len), split, size, vision.num_patches, dna.max_tokens(),
+        llm.seq_len, experiment.seed, cfg.bad_shards,
+    )
+
+
+def build_vlm(
+    experiment: ExperimentConfig, meshes: dict[str, ModuleMesh], placement: Placement,
+    splits: tuple[str, ...] = ("train", "heldout"),
+) -> tuple[VLMTrainer, dict[str, DigitBatches]]:
+    """A VLM experiment's trainer and its batches of each split; rank 0 writes missing shards first (every
+    rank calls this: it has a barrier)."""
     vision, llm = experiment.model_config("vision"), experiment.model_config("llm")
     dna = experiment.model_config("dna") if "dna" in experiment.modules else None
     cfg = experiment.train
-    genome_dir = genome_shards(cfg.genome_dir, dna.seq_len) if dna is not None else None
     if dist.get_rank() == 0:
         ensure_digit_shards(cfg.data_dir)
         if dna is not None:
-            ensure_genome_shards(genome_dir, GenomeOptions(window=dna.seq_len))
+            ensure_genome_shards(genome_shards(cfg.genome_dir, dna.seq_len), GenomeOptions(window=dna.seq_len))
     dist.barrier()
-    size = experiment.batch.global_batch_size
-    data = {
-        split: DigitBatches(
-            cfg.data_dir, split, size, vision.num_patches, llm.seq_len, experiment.seed, cfg.bad_shards
-        )
-        if dna is None
-        else DigitDnaBatches(
-            cfg.data_dir, genome_dir, split, size, vision.num_patches, dna.max_tokens(), llm.seq_len,
-            experiment.seed, cfg.bad_shards,
-        )
-        for split in ("train", "heldout")
-    }
+    data = {split: vlm_batches(experiment, split) for split in splits}
     setups = {
         name: ModuleSetup(module.parallel, module.optim, module.compression) for name, module in experiment.modules.items()
     }
     edges = {(edge.src, edge.dst): edge.compression for edge in experiment.edges}
     trainer = VLMTrainer(
         placement,
-        job.meshes,
+        meshes,
         vision,
         llm,
         num_microbatches=experiment.num_microbatches("llm", placement.layouts["llm"].dp),
@@ -146,6 +161,14 @@ def _train_vlm(job: Job) -> dict[str, float]:
         sample_reuse=cfg.sample_reuse,
         dna_config=dna,
     )
+    return trainer, data
+
+
+def _train_vlm(job: Job) -> dict[str, float]:
+    experiment, placement, guard, log = job.experiment, job.placement, job.guard, job.log
+    llm = experiment.model_config("llm")
+    cfg = experiment.train
+    trainer, data = build_vlm(experiment, job.meshes, placement)
     start = job.resume(trainer)
     tokens_per_step = experiment.batch.global_batch_size * llm.seq_len
     started = time.perf_counter()
@@ -164,13 +187,13 @@ def _train_vlm(job: Job) -> dict[str, float]:
             log.progress(step, metrics | speed | residual_norms(trainer) | compensation_memory(trainer), comm)
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             with guard.step(f"evaluation at step {step}"):
-                accuracy = evaluate(trainer, data["heldout"])
+                accuracy = evaluate(trainer, data["heldout"], cfg.eval_batches)
             log.evaluation(step, accuracy, time.perf_counter() - started)
         if job.checkpoints.due(step, cfg.steps):
             job.checkpoints.save(trainer, step)
     job.checkpoints.close()
     if not accuracy:  # resumed at the last step: nothing left to train
-        accuracy = evaluate(trainer, data["heldout"])
+        accuracy = evaluate(trainer, data["heldout"], cfg.eval_batches)
     return {
         "steps": float(cfg.steps),
         "final_loss": metrics["loss"],

@@ -1,0 +1,56 @@
+"""Model FLOPs of a training step, the figure MFU divides: Megatron's per-layer count.
+
+Every matmul costs 2·m·n·k; attention adds the score and value products over the whole s×s matrix
+(causal masking is not discounted, as in Megatron and PaLM); backward costs twice the forward, so a
+training step is 3× the forward. Recomputed activations are not counted again (model FLOPs, not
+hardware FLOPs). Modules without a closed form (GeneZip's dynamic chunking, the video generator) are
+counted by running one forward under ``torch.utils.flop_counter`` with attention included.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hetero.models.gpt import GPTConfig
+from hetero.models.vision import ViTConfig
+
+TRAINING_MULTIPLIER = 3  # forward + backward (input and weight gradients)
+
+
+def gpt_forward_flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
+    """Forward FLOPs per token of the GPT at sequence length ``seq_len`` (default: the config's)."""
+    h, s = config.hidden_size, seq_len or config.seq_len
+    head_dim = h // config.num_heads
+    q_width, kv_width = config.num_heads * head_dim, config.kv_heads * head_dim
+    projections = 2 * h * (q_width + 2 * kv_width) + 2 * q_width * h
+    attention = 2 * 2 * s * q_width  # QK^T and attention·V, per query position
+    mlp = 2 * 3 * h * config.ffn_size  # SwiGLU: gate, up and down projections
+    logits = 2 * h * config.vocab_size
+    return config.num_layers * (projections + attention + mlp) + logits
+
+
+def vit_forward_flops_per_image(config: ViTConfig) -> float:
+    """Forward FLOPs per image of the vision encoder: patch embedding, the blocks up to the feature
+    layer (patches + class token), and the projector into the LLM's width."""
+    h, s, p = config.hidden_size, config.seq_len, config.num_patches
+    patch_dim = config.channels * config.patch_size**2
+    blocks = config.feature_layer % config.num_layers + 1
+    per_block = s * (2 * 4 * h * h + 2 * 2 * h * config.ffn_size) + 2 * 2 * s * s * h
+    projector = 2 * p * (h * config.out_size + config.out_size * config.out_size)
+    return 2 * p * patch_dim * h + blocks * per_block + projector
+
+
+def counted_forward_flops(model: torch.nn.Module, *inputs: torch.Tensor) -> float:
+    """FLOPs of one forward of ``model`` as torch's flop counter sees them, CPU attention kernels included."""
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        model(*inputs)
+    return float(counter.get_total_flops())
+
+
+def _attention_flops(query: torch.Size, key: torch.Size, value: torch.Size, *args, out_shape=None, **kwargs) -> int:
+    """Scores and weighted values of (batch, heads, seq, head_dim) attention, from the operands' shapes
+    (torch's counter knows only the GPU attention kernels)."""
+    batch, heads, queries, head_dim = query
+    return 2 * batch * heads * queries * key[-2] * (head_dim + value[-1])

@@ -1,0 +1,359 @@
+"""Search per-module layouts and placements with the cost model; predict a configured experiment.
+
+Three placement modes over the same world of N devices:
+
+- homogeneous: every module takes the LLM's grid (tp, cp, dp on all N ranks); encoders run inside the
+  LLM's first pipeline stage, once per LLM microbatch (how a single-layout framework runs them);
+- colocated: every module on all N ranks with its own layout, one after the other in a step;
+- non-colocated: encoders on their own ranks, the LLM on the rest; the graph runs as a pipeline, so a
+  step takes the slower side plus the faster side's share of one microbatch (fill and drain), plus the
+  boundary transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hetero.config import ExperimentConfig
+from hetero.errors import ConfigError
+from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
+from hetero.parallel.compression.edge_config import ActivationCodecConfig, EdgeCompressionConfig
+from hetero.parallel.placement import Placement
+from hetero.plan.cluster import ClusterSpec
+from hetero.plan.cost import GIB, Choice, CostModel, ModuleCost, Transformer, describe, send_s
+
+MODES = ("homogeneous", "colocated", "non_colocated")
+
+
+@dataclass
+class Workload:
+    """One step's work: the LLM's sequences and, per encoder, samples per LLM sequence."""
+
+    llm: Transformer
+    encoders: dict[str, Transformer]
+    sequences: int
+    per_sequence: dict[str, float]  # encoder samples (images) per LLM sequence
+    grad_ratio: dict[str, float] = field(default_factory=dict)
+    # Wire bytes per activation element, forward + backward together, of compressed edges: each encoder's
+    # boundary into the LLM, and the LLM's stage edges (None: uncompressed).
+    boundary_element_bytes: dict[str, float] = field(default_factory=dict)
+    stage_element_bytes: float | None = None
+    llm_micro: tuple[int, ...] = (1, 2, 4, 8)
+
+    def samples(self, name: str) -> int:
+        return self.sequences if name == self.llm.name else max(1, round(self.sequences * self.per_sequence[name]))
+
+    @property
+    def model_flops(self) -> float:
+        flops = self.sequences * self.llm.model_flops_per_sample
+        return flops + sum(self.samples(n) * e.model_flops_per_sample for n, e in self.encoders.items())
+
+    def boundary_bytes(self, activation_bytes: int) -> float:
+        """Encoder outputs crossing into the LLM per step, forward and (as gradients) backward."""
+        return sum(self.samples(n) * e.out_tokens * e.out_width * self.boundary_element_bytes.get(n, 2 * activation_bytes)
+                   for n, e in self.encoders.items())
+
+
+@dataclass
+class Plan:
+    mode: str
+    ranks: dict[str, int]
+    choices: dict[str, Choice]
+    costs: dict[str, ModuleCost]
+    step_s: float
+    memory_gib: float  # the fullest rank's
+    boundary_s: float
+    model_flops: float
+    world_size: int
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_s / self.world_size / 1e12
+
+    def describe(self) -> str:
+        parts = [f"{n}[{self.ranks[n]}] {c.label()}" for n, c in self.choices.items()]
+        return "; ".join(parts)
+
+
+def gradient_wire_ratio(compression: CompressionConfig) -> float:
+    """Bytes on the wire per fp32 gradient byte under a module's ``compression`` block."""
+
+    def ratio(c: CompressorConfig) -> float:
+        if c.method in ("int8", "int4"):
+            return ((1.0 if c.method == "int8" else 0.5) + 4 / c.block_size) / 4
+        if c.method == "topk":
+            return c.ratio * 6 / 4  # fp32 value + uint16 index within a segment
+        if c.method == "randomk":
+            return c.ratio  # indices come from a shared seed
+        return 1.0  # none, and powersgd (its size depends on every matrix's shape; counted as dense)
+
+    if compression.diloco.inner_steps:
+        return ratio(compression.diloco.pseudo_grad) / compression.diloco.inner_steps
+    return ratio(compression.grad)
+
+
+def activation_wire_bytes(codec: ActivationCodecConfig, activation_bytes: int) -> float:
+    """Wire bytes per activation element under an edge codec (scales are bf16, top-k indices uint16)."""
+    if codec.method in ("int8", "int4", "int2"):
+        return int(codec.method[3:]) / 8 + 2 / codec.block_size
+    if codec.method in ("bf16", "fp16"):
+        return 2.0
+    if codec.method == "topk":
+        return codec.ratio * (activation_bytes + 2)
+    return float(activation_bytes)  # none, identity
+
+
+def edge_wire_bytes(edge: EdgeCompressionConfig, activation_bytes: int) -> float | None:
+    """Forward + backward wire bytes per element of a compressed edge (None when it is not compressed)."""
+    if not edge.enabled:
+        return None
+    return activation_wire_bytes(edge.forward, activation_bytes) + activation_wire_bytes(edge.backward, activation_bytes)
+
+
+def _powers(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+class Planner:
+    def __init__(self, cluster: ClusterSpec, workload: Workload):
+        self.cluster, self.workload = cluster, workload
+        self.model = CostModel(cluster)
+
+    def choices(self, module: Transformer, ranks: int, samples: int, *, pp: bool, cp: bool) -> list[Choice]:
+        """Every layout of ``module`` on ``ranks`` devices that runs ``samples`` per step."""
+        found = []
+        node = self.cluster.gpus_per_node
+        is_llm = module is self.workload.llm
+        for tp in _powers(min(node, ranks)):
+            if module.heads % tp or module.kv_heads % tp or module.ffn % tp or (module.vocab and module.vocab % tp):
+                continue
+            for c in _powers(ranks // tp) if cp else [1]:
+                if module.seq % c:
+                    continue
+                # Any stage count up to the layer count (stages may differ by one layer, as in Megatron).
+                for p in range(1, min(module.layers, ranks // (tp * c)) + 1) if pp else [1]:
+                    if ranks % (tp * c * p):
+                        continue
+                    dp = ranks // (tp * c * p)
+                    # The LLM's sequences split evenly; encoder samples (images) may leave replicas uneven.
+                    if is_llm and samples % dp or samples < dp:
+                        continue
+                    if is_llm:
+                        micros = [m for m in self.workload.llm_micro if (samples // dp) % m == 0]
+                    else:  # an even split of the replica's samples into 1, 2, 4, ... microbatches
+                        replica = math.ceil(samples / dp)
+                        micros = sorted({math.ceil(replica / k) for k in _powers(replica)})
+                    for micro in micros:
+                        for recompute in (False, True):
+                            found.append(Choice(tp, c, p, dp, micro, recompute))
+        return found
+
+    def encoder_choices(self, encoder: Transformer, ranks: int, microbatches: int) -> list[Choice]:
+        """Layouts of an encoder on ``ranks`` devices that split its samples into the LLM's number of
+        microbatches (hetero's schedules pair encoder and LLM microbatches one to one)."""
+        samples, found = self.workload.samples(encoder.name), []
+        for tp in _powers(min(self.cluster.gpus_per_node, ranks)):
+            if encoder.heads % tp or encoder.ffn % tp or ranks % tp or samples < ranks // tp:
+                continue
+            dp = ranks // tp
+            micro = math.ceil(math.ceil(samples / dp) / microbatches)
+            found += [Choice(tp, 1, 1, dp, micro, recompute) for recompute in (False, True)]
+        return found
+
+    def _paired(self, llm_choice: Choice, llm_cost: ModuleCost, ranks: dict[str, int], held: int | None,
+                budget: float) -> dict[str, tuple[Choice, ModuleCost]] | None:
+        """Each encoder's fastest layout on its ranks, paired with the LLM's microbatches, within ``budget``
+        bytes of memory per rank (``None`` when none fits)."""
+        picks, memory = {}, 0.0
+        for name, encoder in self.workload.encoders.items():
+            best = None
+            for choice in self.encoder_choices(encoder, ranks[name], llm_cost.microbatches):
+                cost = self.model.module_cost(encoder, choice, self.workload.samples(name),
+                                              self.workload.grad_ratio.get(name, 1.0), held_microbatches=held)
+                if memory + cost.memory_bytes <= budget and (best is None or cost.step_s < best[1].step_s):
+                    best = (choice, cost)
+            if best is None:
+                return None
+            picks[name] = best
+            memory += best[1].memory_bytes
+        return picks
+
+    def _llm_options(self, ranks: int, keep: int | None = None) -> list[tuple[Choice, ModuleCost]]:
+        llm = self.workload.llm
+        options = []
+        for choice in self.choices(llm, ranks, self.workload.sequences, pp=True, cp=True):
+            cost = self.model.module_cost(llm, choice, self.workload.sequences, self.workload.grad_ratio.get(llm.name, 1.0),
+                                          hop_element_bytes=self.workload.stage_element_bytes)
+            if self.model.fits(cost.memory_bytes):
+                options.append((choice, cost))
+        options.sort(key=lambda pair: pair[1].step_s)
+        return options[:keep] if keep else options
+
+    def homogeneous(self, world: int) -> list[Plan]:
+        llm, plans = self.workload.llm, []
+        for choice in self.choices(llm, world, self.workload.sequences, pp=True, cp=True):
+            extra, encoder_costs, encoder_memory = 0.0, {}, 0.0
+            for name, encoder in self.workload.encoders.items():
+                per_micro = choice.micro * self.workload.per_sequence[name]  # images per LLM microbatch
+                count = max(1, round(per_micro))
+                shared = Choice(choice.tp, 1, 1, choice.dp, count, choice.recompute)
+                if encoder.heads % choice.tp or encoder.ffn % choice.tp:
+                    break
+                cost = self.model.module_cost(encoder, shared, count * choice.dp, self.workload.grad_ratio.get(name, 1.0))
+                extra += cost.microbatch_s * per_micro / count
+                encoder_costs[name] = cost
+                # Stage 0 keeps the encoder's weights and, per in-flight microbatch, its activations.
+                encoder_memory += cost.memory_bytes * min(choice.pp, math.ceil(self.workload.sequences / choice.dp / choice.micro))
+            else:
+                # Like Megatron's --decoder-first-pipeline-num-layers: the encoder's stage may take fewer layers.
+                firsts = range(math.ceil(llm.layers / choice.pp) + 1) if choice.pp > 1 else [None]
+                cost = min(
+                    (self.model.module_cost(llm, choice, self.workload.sequences, self.workload.grad_ratio.get(llm.name, 1.0),
+                                            extra_first_stage_s=extra, first_stage_layers=first,
+                                            hop_element_bytes=self.workload.stage_element_bytes) for first in firsts),
+                    key=lambda c: c.step_s,
+                )
+                memory = cost.memory_bytes + encoder_memory
+                if not self.model.fits(memory):
+                    continue
+                step = cost.step_s + sum(c.dp_s for c in encoder_costs.values())
+                ranks = {n: world for n in [*self.workload.encoders, llm.name]}
+                choices = {n: choice for n in self.workload.encoders} | {llm.name: choice}  # one grid for all
+                plans.append(Plan("homogeneous", ranks, choices, encoder_costs | {llm.name: cost}, step,
+                                  memory / GIB, 0.0, self.workload.model_flops, world))
+        return sorted(plans, key=lambda plan: plan.step_s)
+
+    def colocated(self, world: int) -> list[Plan]:
+        llm, plans = self.workload.llm, []
+        usable = self.model.device.usable_memory * self.model.device.memory_gib * GIB
+        boundary = self._boundary_s(world, world) if self.workload.encoders else 0.0
+        for choice, cost in self._llm_options(world):
+            # The phased schedule encodes every microbatch before the LLM runs: all stay alive until its backward.
+            picks = self._paired(choice, cost, dict.fromkeys(self.workload.encoders, world), cost.microbatches,
+                                 usable - cost.memory_bytes)
+            if picks is None:
+                continue
+            step = cost.step_s + sum(c.step_s for _, c in picks.values()) + boundary
+            memory = cost.memory_bytes + sum(c.memory_bytes for _, c in picks.values())
+            plans.append(Plan("colocated", dict.fromkeys([*picks, llm.name], world),
+                              {n: c for n, (c, _) in picks.items()} | {llm.name: choice},
+                              {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, step, memory / GIB,
+                              boundary, self.workload.model_flops, world))
+        return sorted(plans, key=lambda plan: plan.step_s)
+
+    def non_colocated(self, world: int, keep: int = 8) -> list[Plan]:
+        """Encoders on ranks 0..e-1, the LLM on the rest, for every split e (the LLM's ``keep`` fastest
+        layouts on its share)."""
+        if len(self.workload.encoders) != 1:
+            return []  # one encoder against the LLM; more would split the world three ways
+        (name,) = self.workload.encoders
+        llm, plans = self.workload.llm, []
+        usable = self.model.device.usable_memory * self.model.device.memory_gib * GIB
+        for encoder_ranks in range(1, world):
+            for choice, cost in self._llm_options(world - encoder_ranks, keep):
+                # A graph pipeline: the encoder is stage 0 of 1 + pp stages under 1F1B.
+                picks = self._paired(choice, cost, {name: encoder_ranks}, choice.pp + 1, usable)
+                if picks is None:
+                    continue
+                encoder_choice, encoder_cost = picks[name]
+                times = sorted([encoder_cost.step_s, cost.step_s])
+                boundary = self._boundary_s(encoder_ranks, world - encoder_ranks)
+                step = times[1] + times[0] / cost.microbatches + boundary
+                plans.append(Plan("non_colocated", {name: encoder_ranks, llm.name: world - encoder_ranks},
+                                  {name: encoder_choice, llm.name: choice}, {name: encoder_cost, llm.name: cost},
+                                  step, max(encoder_cost.memory_gib, cost.memory_gib), boundary,
+                                  self.workload.model_flops, world))
+        return sorted(plans, key=lambda plan: plan.step_s)
+
+    def _boundary_s(self, senders: int, receivers: int) -> float:
+        """The boundary's traffic, spread over the pairs of ranks that carry it."""
+        link = self.cluster.link(senders + receivers)
+        pairs = min(senders, receivers)
+        return send_s(self.workload.boundary_bytes(self.cluster.device.activation_bytes) / pairs, link)
+
+    def plans(self, world: int | None = None) -> dict[str, list[Plan]]:
+        """Every placement mode's plans that fit, fastest first."""
+        world = world or self.cluster.world_size
+        return {"homogeneous": self.homogeneous(world), "colocated": self.colocated(world),
+                "non_colocated": self.non_colocated(world)}
+
+
+EXTRA_CONTEXT = ("images", "mixed")
+
+
+def workload_of(
+    experiment: ExperimentConfig, context: int | None = None, tokens_per_step: int | None = None,
+    extra_context: str = "images", activation_bytes: int = 2,
+) -> Workload:
+    """The step ``experiment`` trains, optionally at another LLM context length.
+
+    At the configured context every sequence carries one image per encoder. A longer context holds more
+    images: with ``extra_context="images"`` the text keeps its configured length and images fill the rest
+    (long videos, many-image documents); with ``"mixed"`` text and images keep their configured shares.
+    The batch keeps ``tokens_per_step`` tokens (default: the configured global batch's). Compressed edges
+    are priced per element against ``activation_bytes`` (the cluster device's)."""
+    if extra_context not in EXTRA_CONTEXT:
+        raise ConfigError(f"extra_context={extra_context!r} is not one of {', '.join(EXTRA_CONTEXT)}")
+    kinds = {name: module.kind for name, module in experiment.modules.items()}
+    llms = [n for n, k in kinds.items() if k == "gpt"]
+    unsupported = {n: k for n, k in kinds.items() if k not in ("gpt", "vit")}
+    if len(llms) != 1 or unsupported:
+        raise ConfigError(
+            "hetero plan models one gpt module fed by vit encoders; this experiment has "
+            + ", ".join(f"{n}: {k}" for n, k in kinds.items())
+        )
+    llm_config = experiment.model_config(llms[0])
+    context = context or llm_config.seq_len
+    tokens = tokens_per_step or experiment.batch.global_batch_size * llm_config.seq_len
+    sequences = max(1, tokens // context)
+    encoders, per_sequence = {}, {}
+    for name, kind in kinds.items():
+        if kind == "vit":
+            config = experiment.model_config(name)
+            encoders[name] = describe(name, kind, config)
+            if extra_context == "mixed":
+                per_sequence[name] = context / llm_config.seq_len
+            else:
+                per_sequence[name] = 1 + (context - llm_config.seq_len) / (len(encoders) * config.num_patches)
+    ratios = {n: gradient_wire_ratio(m.compression) for n, m in experiment.modules.items()}
+    act = activation_bytes
+    boundaries = {e.src: b for e in experiment.edges if e.dst == llms[0] and (b := edge_wire_bytes(e.compression, act))}
+    stages = edge_wire_bytes(experiment.modules[llms[0]].compression.pipeline, act)
+    return Workload(describe(llms[0], "gpt", llm_config, context), encoders, sequences, per_sequence, ratios,
+                    boundaries, stages)
+
+
+def predict_configured(experiment: ExperimentConfig, placement: Placement, cluster: ClusterSpec) -> Plan:
+    """The cost model's step time for ``experiment`` exactly as configured (its layouts and ranks)."""
+    workload = workload_of(experiment, activation_bytes=cluster.device.activation_bytes)
+    planner = Planner(cluster, workload)
+    llm = workload.llm.name
+    choices, costs = {}, {}
+    for name, layout in placement.layouts.items():
+        module = workload.llm if name == llm else workload.encoders[name]
+        choice = Choice(layout.tp, layout.cp, layout.pp, layout.dp, experiment.micro_batch_size(name),
+                        experiment.modules[name].parallel.activation_checkpointing)
+        choices[name] = choice
+        costs[name] = planner.model.module_cost(module, choice, workload.samples(name), workload.grad_ratio[name],
+                                                hop_element_bytes=workload.stage_element_bytes if name == llm else None)
+    relations = {placement.relation(name, llm) for name in workload.encoders}
+    ranks = {n: layout.size for n, layout in placement.layouts.items()}
+    world = placement.world_size
+    if relations <= {"colocated"}:
+        boundary = planner._boundary_s(world, world) if workload.encoders else 0.0
+        step = sum(c.step_s for c in costs.values()) + boundary
+        mode = "colocated"
+    elif relations == {"disjoint"} and len(workload.encoders) == 1:
+        (name,) = workload.encoders
+        boundary = planner._boundary_s(ranks[name], ranks[llm])
+        times = sorted([costs[name].step_s, costs[llm].step_s])
+        step = times[1] + times[0] / costs[llm].microbatches + boundary
+        mode = "non_colocated"
+    else:
+        raise ConfigError(
+            "hetero plan predicts colocated placements and one encoder on ranks disjoint from the LLM's; "
+            f"this experiment's encoders relate to the LLM as {sorted(relations)}"
+        )
+    memory = max(sum(costs[n].memory_bytes for n in placement.modules_on(r)) for r in range(world))
+    return Plan(mode, ranks, choices, costs, step, memory / GIB, boundary, workload.model_flops, world)

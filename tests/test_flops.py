@@ -1,0 +1,60 @@
+"""Model FLOPs (hetero.models.flops) against closed forms computed here and against torch's flop counter."""
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hetero.models.flops import (
+    TRAINING_MULTIPLIER,
+    counted_forward_flops,
+    gpt_forward_flops_per_token,
+    vit_forward_flops_per_image,
+)
+from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
+from hetero.models.vision import VisionEncoder, ViTConfig
+
+
+def test_gpt_training_flops_match_megatron_closed_form():
+    # Megatron-LM's count for a GPT of l layers, width h, vocabulary V, batch B of s tokens:
+    # 72 B s l h^2 (1 + s / (6h) + V / (12 h l)). It assumes 4h^2 of MLP weights per layer (8h^2 of MLP
+    # FLOPs per token); a SwiGLU of ffn = 8h/3 has exactly that, and full multi-head attention.
+    h, layers, vocab, s, batch = 96, 3, 256, 64, 2
+    config = GPTConfig(vocab_size=vocab, hidden_size=h, num_layers=layers, num_heads=4, ffn_hidden_size=8 * h // 3, seq_len=s)
+    megatron = 72 * batch * s * layers * h**2 * (1 + s / (6 * h) + vocab / (12 * h * layers))
+    ours = TRAINING_MULTIPLIER * batch * s * gpt_forward_flops_per_token(config)
+    assert abs(ours - megatron) / megatron < 1e-12
+
+
+def _linear_weights(model: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_gpt_flops_from_parameter_count_and_counter():
+    # Grouped-query attention and a SwiGLU of any width: 2 FLOPs per weight per token, plus the score and
+    # value products (2 * 2 * s * h per token per layer over the full s x s matrix).
+    config = GPTConfig(vocab_size=200, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, ffn_hidden_size=160, seq_len=48)
+    model = GPT(config)
+    batch, s = 3, config.seq_len
+    by_weights = batch * s * (2 * _linear_weights(model) + config.num_layers * 4 * s * config.hidden_size)
+    assert batch * s * gpt_forward_flops_per_token(config) == by_weights
+    tokens = torch.randint(0, config.vocab_size, (batch, s))
+    assert counted_forward_flops(model, tokens) == by_weights
+    # Training: torch's counter sees the backward's matmuls at twice the forward's (the CPU attention
+    # kernel is not in its table, so compare the matmul part).
+    with FlopCounterMode(display=False) as counter:
+        token_loss_sum(model(tokens), tokens).backward()
+    matmuls = batch * s * 2 * _linear_weights(model)
+    assert counter.get_total_flops() == TRAINING_MULTIPLIER * matmuls
+
+
+def test_vit_flops_from_parameter_count():
+    config = ViTConfig(image_size=16, patch_size=4, channels=3, hidden_size=32, num_layers=3, num_heads=4,
+                       feature_layer=-2, out_size=48)
+    model = VisionEncoder(config)
+    s, p = config.seq_len, config.num_patches  # the class token runs through the blocks, not the projector
+    block_weights = sum(_linear_weights(b) for b in model.layers.values())
+    expected = (2 * p * model.patch_embed.weight.numel() + s * 2 * block_weights
+                + len(model.layers) * 4 * s * s * config.hidden_size
+                + 2 * p * (model.proj_in.weight.numel() + model.proj_out.weight.numel()))
+    assert len(model.layers) == 2  # blocks after feature_layer never run and are not counted
+    assert vit_forward_flops_per_image(config) == expected
+    assert counted_forward_flops(model, torch.randn(2, 3, 16, 16)) == 2 * expected

@@ -1,0 +1,171 @@
+"""The layout planner: cluster descriptions, the cost model's accounting, the search, the CLI."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from hetero.cli import main
+from hetero.config import load_experiment, validate
+from hetero.errors import ConfigError
+from hetero.models.gpt import GPTConfig
+from hetero.plan.cluster import ClusterSpec, DeviceSpec, LinkSpec, cluster_from_dict, load_cluster
+from hetero.plan.cost import GIB, Choice, CostModel, allreduce_s, describe
+from hetero.plan.report import heterogeneous_gain
+from hetero.plan.search import Planner, gradient_wire_ratio, predict_configured, workload_of
+from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
+
+LLAMA_7B = GPTConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=11008, seq_len=4096)
+
+
+def test_cluster_errors_name_the_field():
+    with pytest.raises(ConfigError, match=r"device: unknown field\(s\) tflops"):
+        cluster_from_dict({"device": {"tflops": 3}})
+    with pytest.raises(ConfigError, match=r"inter_node.bandwidth_gb_s=-1 must be a non-negative number"):
+        cluster_from_dict({"inter_node": {"bandwidth_gb_s": -1}})
+    with pytest.raises(ConfigError, match=r"device.precision='fp8' is not one of bf16, fp32"):
+        cluster_from_dict({"device": {"precision": "fp8"}})
+    with pytest.raises(ConfigError, match=r"nodes=0 must be a positive integer"):
+        cluster_from_dict({"nodes": 0})
+    with pytest.raises(ConfigError, match=r"no such file"):
+        load_cluster("no_such_cluster")
+    shipped = load_cluster("h100_64")
+    assert (shipped.world_size, shipped.device.memory_gib) == (64, 80)
+
+
+def test_ring_allreduce_cost():
+    link = LinkSpec(bandwidth_gb_s=10.0, latency_us=5.0)
+    assert allreduce_s(1e9, 1, link) == 0
+    # 2(n-1) steps of latency, 2(n-1)/n of the data over the link
+    assert allreduce_s(1e9, 4, link) == pytest.approx(6 * 5e-6 + 1.5 * 1e9 / 10e9)
+
+
+def test_memory_accounting_of_a_7b_llm():
+    model = CostModel(ClusterSpec(nodes=1, gpus_per_node=8))
+    llm = describe("llm", "gpt", LLAMA_7B)
+    assert llm.params == pytest.approx(6.74e9, rel=0.01)  # Llama-2-7B
+    alone = model.module_cost(llm, Choice(), samples=8)
+    # bf16 weights, fp32 gradients, fp32 master weights and Adam moments unsharded at dp=1: 18 bytes/param
+    assert alone.memory_bytes > 18 * llm.params
+    assert not model.fits(alone.memory_bytes)
+    tp8 = model.module_cost(llm, Choice(tp=8), samples=8)
+    assert tp8.memory_bytes < alone.memory_bytes / 7
+    recompute = model.module_cost(llm, Choice(tp=8, recompute=True), samples=8)
+    assert recompute.memory_bytes < tp8.memory_bytes and recompute.compute_s > tp8.compute_s
+    sharded = model.module_cost(llm, Choice(tp=8, dp=8), samples=64)  # optimizer state sharded over dp
+    assert sharded.memory_bytes < tp8.memory_bytes
+
+
+def test_pipeline_bubble_and_dp_traffic():
+    model = CostModel(ClusterSpec(nodes=2, gpus_per_node=8))
+    llm = describe("llm", "gpt", LLAMA_7B)
+    pp4 = model.module_cost(llm, Choice(tp=2, pp=4, dp=2), samples=16)
+    assert pp4.microbatches == 8
+    assert pp4.compute_s == pytest.approx((8 + 4 - 1) * pp4.microbatch_s)  # 1F1B: m + pp - 1 slots
+    dense = model.module_cost(llm, Choice(tp=8, dp=2), samples=16)
+    int8 = gradient_wire_ratio(CompressionConfig(grad=CompressorConfig(method="int8", block_size=64)))
+    assert int8 == pytest.approx((1 + 4 / 64) / 4)
+    compressed = model.module_cost(llm, Choice(tp=8, dp=2), samples=16, grad_ratio=int8)
+    assert compressed.dp_s < dense.dp_s / 3
+    diloco = CompressionConfig(diloco=DiLoCoConfig(inner_steps=32))
+    assert gradient_wire_ratio(diloco) == pytest.approx(1 / 32)
+
+
+def test_nothing_fits_one_small_device():
+    cluster = ClusterSpec(nodes=1, gpus_per_node=1, device=DeviceSpec(memory_gib=16))
+    plans = Planner(cluster, workload_of(load_experiment("vlm_7b"))).plans()
+    assert plans == {"homogeneous": [], "colocated": [], "non_colocated": []}
+
+
+def test_long_context_vlm_on_64_h100s():
+    """The acceptance case: heterogeneous placements pull ahead of one shared grid as the context grows,
+    because the LLM's model parallelism (tp, cp) grows with it and a shared grid drags the encoder along."""
+    experiment, cluster = load_experiment("vlm_7b"), load_cluster("h100_64")
+    gains = {}
+    for context in (8192, 32768, 131072):
+        workload = workload_of(experiment, context)
+        plans = Planner(cluster, workload).plans()
+        gains[context] = heterogeneous_gain(plans)
+        for mode, found in plans.items():
+            best = found[0]
+            assert cluster.device.usable_memory * 80 >= best.memory_gib
+            assert best.model_flops == pytest.approx(workload.model_flops)
+            assert 0 < best.tflops_per_gpu < cluster.device.peak_tflops
+    assert gains[8192] < gains[32768] < gains[131072]
+    assert gains[131072] > 1.05
+
+
+def test_more_context_holds_more_images():
+    experiment = load_experiment("vlm_7b")
+    base = workload_of(experiment)
+    assert (base.sequences, base.samples("vision")) == (256, 256)  # one image per sequence as configured
+    longer = workload_of(experiment, 4096 * 4)
+    assert longer.sequences == 64  # the same tokens per step
+    # images: the configured text (4096 - 729 tokens) stays, images fill the rest of each sequence
+    assert longer.per_sequence["vision"] == pytest.approx(1 + (4096 * 3) / 729)
+    mixed = workload_of(experiment, 4096 * 4, extra_context="mixed")
+    assert mixed.per_sequence["vision"] == 4 and mixed.samples("vision") == 256
+
+
+def test_predict_configured_modes():
+    cluster = ClusterSpec(nodes=1, gpus_per_node=8, device=DeviceSpec(activation_bytes=4, precision="fp32"))
+    for name, mode in (("colocated_vlm", "colocated"), ("non_colocated_vlm", "non_colocated")):
+        experiment = load_experiment(name)
+        plan = predict_configured(experiment, validate(experiment), cluster)
+        assert plan.mode == mode and plan.step_s > 0
+        llm = experiment.modules["llm"].layout
+        assert (plan.choices["llm"].tp, plan.choices["llm"].dp) == (llm.tp, llm.dp)
+    experiment = load_experiment("mixed_vlm")
+    with pytest.raises(ConfigError, match="overlapping"):
+        predict_configured(experiment, validate(experiment), cluster)
+    with pytest.raises(ConfigError, match="one gpt module fed by vit encoders; this experiment has video: video"):
+        workload_of(load_experiment("video"))
+
+
+def test_plan_cli_table_json_and_plot(tmp_path, capsys):
+    png, report = tmp_path / "plan.png", tmp_path / "plan.json"
+    assert main(["plan", "--cluster", "h100_64", "vlm_7b", "--contexts", "8192,65536", "--plot", str(png),
+                 "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "context 65536: 16 sequences" in out and "best heterogeneous is" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(report.read_text())
+    assert [c["context"] for c in data["contexts"]] == [8192, 65536]
+    best = data["contexts"][1]["best"]["colocated"]
+    assert math.prod(best["layouts"]["llm"][a] for a in ("tp", "cp", "pp", "dp")) == 64
+    assert main(["plan", "vlm_7b"]) == 2
+    assert "needs --cluster" in capsys.readouterr().err
+    assert main(["plan", "--cluster", "h100_64", "vlm_7b", "--plot", str(png)]) == 2
+    assert "give at least two" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_loadable_cluster(tmp_path, capsys):
+    out = tmp_path / "here.yaml"
+    assert main(["plan", "--calibrate", str(out), "colocated_vlm", "world_size=2", "vision.layout.dp=2",
+                 "llm.layout.tp=1", "llm.layout.dp=2", "vision.micro_batch_size=8", "--as-configured"]) == 0
+    cluster = load_cluster(out)
+    assert cluster.world_size == 2 and cluster.device.precision == "fp32"
+    for value in (cluster.device.matmul_tflops, cluster.device.memory_gb_s, cluster.intra_node.bandwidth_gb_s):
+        assert 0 < value < 1e4
+    assert cluster.device.tp_layer_overhead_us >= 0
+    assert yaml.safe_load(out.read_text())["name"] == "here"
+    assert "colocated_vlm as configured on here" in capsys.readouterr().out
+    assert cluster.device.memory_gib * 2 * GIB <= 2 * 1024**4
+
+
+def test_compressed_edges_shrink_boundary_and_stage_traffic():
+    experiment = load_experiment("compressed_edges_vlm")
+    workload = workload_of(experiment, activation_bytes=4)
+    edge = experiment.edges[0].compression
+    # packed codes plus one bf16 scale per block, forward and backward
+    expected = sum(int(c.method[3:]) / 8 + 2 / c.block_size for c in (edge.forward, edge.backward))
+    assert workload.boundary_element_bytes["vision"] == pytest.approx(expected)
+    vision = workload.encoders["vision"]
+    assert workload.boundary_bytes(4) == pytest.approx(workload.samples("vision") * vision.out_tokens * vision.out_width * expected)
+    assert workload.stage_element_bytes is not None and workload.stage_element_bytes < 8
+    model = CostModel(ClusterSpec(nodes=1, gpus_per_node=4))
+    choice = Choice(pp=2, dp=2, micro=2)
+    plain = model.module_cost(workload.llm, choice, 16)
+    compressed = model.module_cost(workload.llm, choice, 16, hop_element_bytes=workload.stage_element_bytes)
+    assert compressed.pp_s < plain.pp_s

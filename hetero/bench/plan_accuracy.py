@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from hetero.bench.throughput import _absolute, _ensure_shards, measure
+from hetero.bench.throughput import absolute_paths, ensure_shards, measure
 from hetero.config import load_experiment, validate
 from hetero.plan.calibrate import calibrate
 from hetero.plan.search import predict_configured
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     times: dict[str, list[float]] = {name: [] for name in experiments}
     for _ in range(args.rounds):
         for name, experiment in experiments.items():
-            experiment = _absolute(experiment)
-            _ensure_shards(experiment)
+            experiment = absolute_paths(experiment)
+            ensure_shards(experiment)
             per_rank = run_ranks(measure, 2, experiment, args.steps, 2, timeout_s=900)
             times[name] += [max(step) for step in zip(*(r["times"] for r in per_rank))]
     measured = {name: statistics.median(t) for name, t in times.items()}

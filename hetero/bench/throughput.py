@@ -191,14 +191,14 @@ def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int
 # The driver.
 
 
-def _absolute(experiment: ExperimentConfig) -> ExperimentConfig:
+def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:
     """The same experiment with its data and run folders absolute (ranks may start in another folder)."""
     cfg = experiment.train
     train = replace(cfg, **{key: str(Path(getattr(cfg, key)).resolve()) for key in ("data_dir", "genome_dir", "run_dir")})
     return replace(experiment, train=train)
 
 
-def _ensure_shards(experiment: ExperimentConfig) -> None:
+def ensure_shards(experiment: ExperimentConfig) -> None:
     from hetero.data.digits import ensure_digit_shards
     from hetero.data.genome import GenomeOptions, ensure_genome_shards, genome_shards
 
@@ -409,10 +409,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"scale {k}: world_size={placement.world_size}, but this benchmark runs at most {MAX_RANKS} ranks "
                 f"as processes on this machine; use smaller scales"
             )
-        plans.append((k, [*overrides, *extra], _absolute(experiment), placement))
+        plans.append((k, [*overrides, *extra], absolute_paths(experiment), placement))
     runs = []
     for k, run_overrides, experiment, placement in plans:
-        _ensure_shards(experiment)
+        ensure_shards(experiment)
         budget = 120 + (args.warmup + args.steps + 1) * 60
         per_rank = run_ranks(
             measure, placement.world_size, experiment, args.steps, args.warmup,
@@ -452,12 +452,12 @@ def _main_launched(args: argparse.Namespace, name: str, overrides: list[str], ba
                 f"world_size and the layouts to match"
             )
         extra = scaled_overrides(base, launched // base_world, args.scaling)
-    experiment = _absolute(load_experiment(name, [*overrides, *extra]))
+    experiment = absolute_paths(load_experiment(name, [*overrides, *extra]))
     check_supported(experiment)
     placement = validate(experiment)
     rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # each node writes its own copy of the shards
-        _ensure_shards(experiment)
+        ensure_shards(experiment)
     dist.barrier()
     result = measure(rank, launched, experiment, args.steps, args.warmup)
     per_rank: list[Any] = [None] * launched

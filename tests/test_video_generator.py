@@ -7,6 +7,8 @@ frame at a time from the same noisy input, after appending the true frames 0..t-
 trained on is what generation runs.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -158,3 +160,40 @@ def test_soft_memory_sees_every_earlier_frame_and_fades_the_unimportant():
     assert bias.requires_grad
     (bias.sum() + sparsity(importance, memory.window)).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in router.parameters())
+
+
+def test_a_conditioned_generator_trains_and_generates_with_the_same_condition():
+    """Another module's hidden states (mean over positions, projected) add to every token of the clip: the
+    training sequence and the cached generation loop agree under it, it changes the prediction, the loss's
+    gradient reaches the hidden states, and a mismatch between config and call is refused."""
+    config = dataclasses.replace(CONFIG, condition_size=24)
+    torch.manual_seed(0)
+    model = VideoGenerator(config).eval()
+    frames = clip_frames()
+    hidden = torch.randn(1, 5, 24)  # e.g. an LLM's hidden states over a caption
+    patches = patchify(frames, config.patch_size)
+    count, per_frame = patches.shape[1], patches.shape[2]
+    noisy = torch.randn(1, count - 1, per_frame, config.patch_dim, generator=torch.Generator().manual_seed(1))
+    tau = torch.rand(1, count - 1, generator=torch.Generator().manual_seed(2))
+    memory = MemoryConfig(policy="full")
+    with torch.no_grad():
+        distances = training_distances(context_schedule(model.frame_summary(patches[0]), memory), per_frame,
+                                       config.max_distance, False)
+        condition = model.conditioning(hidden)
+        parallel = model(sequence_tokens(model, patches, noisy, tau, condition), distances)[0, count * per_frame :]
+        unconditioned = model(sequence_tokens(model, patches, noisy, tau), distances)[0, count * per_frame :]
+        assert (parallel - unconditioned).abs().max() > 1e-3
+        cache = FrameCache(model, memory, condition=hidden)
+        for t in range(1, count):
+            cache.append(patches[0, t - 1 : t])
+            velocity, _ = cache._run(model.embed_noisy(noisy[:, t - 1 : t], tau[:, t - 1 : t], cache.condition).squeeze(1))
+            torch.testing.assert_close(velocity[0], parallel.reshape(count - 1, per_frame, -1)[t - 1], rtol=1e-5, atol=1e-5)
+
+    hidden.requires_grad_()
+    flow_matching_loss(model.train(), frames, memory, torch.Generator().manual_seed(3), condition=hidden).backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0 and torch.isfinite(hidden.grad).all()
+    with pytest.raises(ValueError, match="condition_size=24"):
+        flow_matching_loss(model, frames, memory)
+    with pytest.raises(ValueError, match="condition_size=0"):
+        VideoGenerator(CONFIG).conditioning(hidden)
+    assert VideoGenerator(CONFIG).condition is None  # unconditioned checkpoints keep their keys

@@ -49,6 +49,7 @@ class VideoConfig:
     max_distance: int = 32  # slot distances the attention bias tells apart; farther ones share the last
     sample_steps: int = 4  # Euler steps from noise to a frame
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # which past frames the KV cache keeps
+    condition_size: int = 0  # width of another module's hidden states that condition every frame (0: none)
 
     @property
     def ffn_size(self) -> int:
@@ -70,6 +71,8 @@ class VideoConfig:
             max_distance=self.max_distance, sample_steps=self.sample_steps,
         )
         errors += self.memory.errors(f"{module}.model.memory")
+        if self.condition_size < 0:
+            errors.append(f"{module}.model.condition_size={self.condition_size} must be >= 0 (0: unconditioned)")
         if errors:
             return errors
         errors += patch_model_errors(
@@ -191,6 +194,7 @@ class VideoGenerator(nn.Module):
         self.noisy_embed = nn.Linear(config.patch_dim, h)
         self.patch_position = nn.Parameter(torch.randn(config.patches_per_frame, h) * 0.02)
         self.time_mlp = nn.Sequential(nn.Linear(h, h), nn.SiLU(), nn.Linear(h, h))
+        self.condition = nn.Linear(config.condition_size, h) if config.condition_size else None
         self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.num_layers)})
         self.norm = nn.LayerNorm(h)
         self.head = nn.Linear(h, config.patch_dim)
@@ -205,13 +209,24 @@ class VideoGenerator(nn.Module):
         for block in self.layers.values():
             block.attention.wk.weight.copy_(block.attention.wq.weight)
 
-    def embed_clean(self, patches: torch.Tensor) -> torch.Tensor:
-        return self.clean_embed(patches) + self.patch_position
+    def conditioning(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """What conditions every token of a clip: another module's hidden states (B, S, condition_size),
+        averaged over their positions and projected to (B, hidden); None for an unconditioned generator."""
+        if (hidden is None) != (self.condition is None):
+            raise ValueError(
+                f"the generator has condition_size={self.config.condition_size}: pass conditioning hidden states "
+                f"exactly when it is > 0"
+            )
+        return None if self.condition is None else self.condition(hidden.mean(1))
 
-    def embed_noisy(self, patches: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-        """``patches`` (B, frames, P, D), ``tau`` (B, frames)."""
+    def embed_clean(self, patches: torch.Tensor, condition: torch.Tensor | None = None) -> torch.Tensor:
+        """``patches`` (B, [frames,] P, D); ``condition`` (B, hidden) from ``conditioning``."""
+        return _conditioned(self.clean_embed(patches) + self.patch_position, condition)
+
+    def embed_noisy(self, patches: torch.Tensor, tau: torch.Tensor, condition: torch.Tensor | None = None) -> torch.Tensor:
+        """``patches`` (B, frames, P, D), ``tau`` (B, frames), ``condition`` (B, hidden) from ``conditioning``."""
         t = self.time_mlp(time_embedding(tau, self.config.hidden_size)).unsqueeze(-2)
-        return self.noisy_embed(patches) + self.patch_position + t
+        return _conditioned(self.noisy_embed(patches) + self.patch_position + t, condition)
 
     def frame_summary(self, patches: torch.Tensor) -> torch.Tensor:
         """A frame's key for the memory policies: its mean clean-token embedding, (..., hidden)."""
@@ -224,6 +239,13 @@ class VideoGenerator(nn.Module):
         for layer in self.layers.values():
             x, _ = layer(x, distances, bias=bias)
         return self.head(self.norm(x))
+
+
+def _conditioned(tokens: torch.Tensor, condition: torch.Tensor | None) -> torch.Tensor:
+    """``tokens`` (B, ..., hidden) plus each clip's ``condition`` (B, hidden) on every token."""
+    if condition is None:
+        return tokens
+    return tokens + condition.view(condition.shape[0], *([1] * (tokens.dim() - 2)), condition.shape[-1])
 
 
 def context_schedule(
@@ -312,13 +334,18 @@ class FrameCache:
     log-importance, as in training.
     """
 
-    def __init__(self, model: VideoGenerator, memory: MemoryConfig, router: ImportanceRouter | None = None):
+    def __init__(
+        self, model: VideoGenerator, memory: MemoryConfig, router: ImportanceRouter | None = None,
+        condition: torch.Tensor | None = None,
+    ):
+        """``condition``: the clip's hidden states (1, S, condition_size) when the generator is conditioned."""
         if (router is not None) != (memory.policy == "learned"):
             raise ValueError(
                 f"FrameCache: policy={memory.policy} {'needs' if router is None else 'takes no'} router; "
                 f"pass an ImportanceRouter exactly for policy=learned"
             )
         self.model, self.memory, self.router = model, memory, router
+        self.condition = model.conditioning(condition)
         self.book = FrameMemory(memory)
         self.cache: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # frame -> per-block (k, v)
         self.keys: dict[int, torch.Tensor] = {}  # frame -> summary, for the router
@@ -364,14 +391,14 @@ class FrameCache:
         x = noise
         for i in range(steps):
             tau = torch.full((1, 1), i / steps, device=noise.device)
-            clean, _ = self._run(self.model.embed_noisy(x.unsqueeze(1), tau).squeeze(1))
+            clean, _ = self._run(self.model.embed_noisy(x.unsqueeze(1), tau, self.condition).squeeze(1))
             x = euler_step(x, clean, i, steps)
         return x
 
     @torch.no_grad()
     def append(self, patches: torch.Tensor) -> None:
         """Make ``patches`` (1, P, D) the next frame: its keys and values enter the cache."""
-        _, kvs = self._run(self.model.embed_clean(patches))
+        _, kvs = self._run(self.model.embed_clean(patches, self.condition))
         frame = self.frames
         self.cache[frame] = kvs
         key = self.model.frame_summary(patches)[0]

@@ -65,13 +65,17 @@ def clip_attention(
     return distances, training_bias(memory_frame_bias(importance, memory.window), per_frame), importance
 
 
-def sequence_tokens(model: VideoGenerator, patches: torch.Tensor, noisy: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+def sequence_tokens(
+    model: VideoGenerator, patches: torch.Tensor, noisy: torch.Tensor, tau: torch.Tensor,
+    condition: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The training sequence's embeddings (B, L, hidden): clean frames ``patches`` (B, T, P, D), then the
-    noisy frames 1..T-1 ``noisy`` (B, T-1, P, D) at flow times ``tau`` (B, T-1)."""
+    noisy frames 1..T-1 ``noisy`` (B, T-1, P, D) at flow times ``tau`` (B, T-1); ``condition`` (B, hidden)
+    from ``model.conditioning``."""
     batch, count, per_frame, _ = patches.shape
     return torch.cat([
-        model.embed_clean(patches).reshape(batch, count * per_frame, -1),
-        model.embed_noisy(noisy, tau).reshape(batch, (count - 1) * per_frame, -1),
+        model.embed_clean(patches, condition).reshape(batch, count * per_frame, -1),
+        model.embed_noisy(noisy, tau, condition).reshape(batch, (count - 1) * per_frame, -1),
     ], dim=1)
 
 
@@ -88,18 +92,20 @@ def flow_matching_loss(
     frames: torch.Tensor,
     memory: MemoryConfig | Sequence[MemoryConfig],
     generator: torch.Generator | None = None,
+    condition: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean squared error of the predicted clean frames 1..T-1 of a batch of clips (B, T, C, S, S), each frame
     predicted from the clean frames its memory holds. ``memory`` may differ per clip (a list); a
     learned policy here keeps random old frames (random router scores), so the generator learns to use
-    whatever a router may keep."""
+    whatever a router may keep. ``condition``: each clip's conditioning hidden states (B, S, condition_size)
+    for a conditioned generator."""
     memories = [memory] * frames.shape[0] if isinstance(memory, MemoryConfig) else list(memory)
     patches = patchify(frames, model.config.patch_size)  # (B, T, P, D)
     count, per_frame = patches.shape[1], patches.shape[2]
     with torch.no_grad():
         summaries = model.frame_summary(patches)
     target, noise, noisy, tau = _noisy_targets(patches, generator)
-    tokens = sequence_tokens(model, patches, noisy, tau)
+    tokens = sequence_tokens(model, patches, noisy, tau, model.conditioning(condition))
     losses = []
     for b, clip_memory in enumerate(memories):  # each clip has its own memory schedule
         scores = None
@@ -129,22 +135,24 @@ def distillation_loss(
     router: ImportanceRouter | None = None,
     generator: torch.Generator | None = None,
     corruption: tuple[float, float] = (0.0, 0.0),
+    condition: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(distillation loss, sparsity) on a batch of clips (B, T, C, S, S): the student, seeing only its
     memory of a possibly corrupted context (``corruption`` = (probability, std) per frame), matches the
     clean frames the teacher predicts from the full clean history on the same noisy frames. Under the
     learned policy the student's memory is the router's soft memory and ``sparsity`` is the mean
-    importance of old frames (0 otherwise)."""
+    importance of old frames (0 otherwise). ``condition``: the clips' conditioning hidden states, for
+    teacher and student alike, when the generators are conditioned."""
     config = student.config
     patches = patchify(frames, config.patch_size)
     count, per_frame = patches.shape[1], patches.shape[2]
     _, _, noisy, tau = _noisy_targets(patches, generator)
     seen = patchify(corrupt(frames, *corruption, generator), config.patch_size)
     with torch.no_grad():
-        teacher_tokens = sequence_tokens(teacher, patches, noisy, tau)
+        teacher_tokens = sequence_tokens(teacher, patches, noisy, tau, teacher.conditioning(condition))
         student_summaries = student.frame_summary(seen)
         teacher_summaries = teacher.frame_summary(patches)
-    student_tokens = sequence_tokens(student, seen, noisy, tau)
+    student_tokens = sequence_tokens(student, seen, noisy, tau, student.conditioning(condition))
     losses, penalties = [], []
     for b in range(frames.shape[0]):
         with torch.no_grad():
@@ -165,12 +173,14 @@ def rollout(
     prompt: int,
     router: ImportanceRouter | None = None,
     generator: torch.Generator | None = None,
+    condition: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One clip (T, C, S, S) whose frames from ``prompt`` on are generated, each from the memory of the
-    frames before it (true ones up to the prompt, generated ones after)."""
+    frames before it (true ones up to the prompt, generated ones after); ``condition`` (1, S, c): its
+    conditioning hidden states for a conditioned generator."""
     config = model.config
     patches = patchify(frames, config.patch_size)
-    cache = FrameCache(model, memory, router)
+    cache = FrameCache(model, memory, router, condition)
     out = [patches[t] for t in range(min(prompt, patches.shape[0]))]
     for t in range(patches.shape[0]):
         if t >= prompt:
@@ -188,17 +198,20 @@ def next_frame_errors(
     router: ImportanceRouter | None = None,
     generator: torch.Generator | None = None,
     start: float = 0.0,
+    condition: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, T-1) mean squared error of each frame 1..T-1 of clips (B, T, C, S, S), sampled in Euler steps
     given the true earlier frames the memory keeps: from pure noise (``start`` 0), or from the true frame
     noised to flow time ``start`` (rounded down to a step; e.g. 0.5: half noise, a coarse view of the
-    frame whose details the model must restore, from memory where it holds them)."""
+    frame whose details the model must restore, from memory where it holds them). ``condition``: the
+    clips' conditioning hidden states for a conditioned generator."""
     config = model.config
     steps = config.sample_steps
     first = int(start * steps)
     patches = patchify(frames, config.patch_size)
     batch, count, per_frame, _ = patches.shape
     summaries = model.frame_summary(patches)
+    offsets = model.conditioning(condition)
     noise = torch.randn(patches[:, 1:].shape, generator=generator, device=frames.device)
     noise = (1 - first / steps) * noise + first / steps * patches[:, 1:]
     errors = []
@@ -207,7 +220,8 @@ def next_frame_errors(
         x = noise[b : b + 1]
         for i in range(first, steps):
             tau = torch.full((1, count - 1), i / steps, device=frames.device)
-            tokens = sequence_tokens(model, patches[b : b + 1], x, tau)
+            offset = None if offsets is None else offsets[b : b + 1]
+            tokens = sequence_tokens(model, patches[b : b + 1], x, tau, offset)
             clean = model(tokens, distances, bias)[:, count * per_frame :].reshape(x.shape)
             x = euler_step(x, clean, i, steps)
         errors.append(((x - patches[b : b + 1, 1:]) ** 2).mean((-1, -2))[0])

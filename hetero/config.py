@@ -208,6 +208,14 @@ def load_experiment(name_or_path: str = "", overrides: list[str] | tuple[str, ..
     return experiment_from_dict(raw)
 
 
+def _taken_width(model_config: Any) -> tuple[str, int]:
+    """The field and width of what a module takes from an edge: a generator's conditioning hidden
+    states (``condition_size``), else its hidden size."""
+    if hasattr(model_config, "condition_size"):
+        return "condition_size", int(model_config.condition_size)
+    return "hidden_size", int(model_config.hidden_size)
+
+
 def _hidden_size(model_config: Any, output: bool = False) -> int:
     """The last dim of what a module passes between its stages (or, ``output``, on to the next module)."""
     if output and getattr(model_config, "out_size", 0):
@@ -285,11 +293,13 @@ def validate(experiment: ExperimentConfig) -> Placement:
         )
     for i, edge in enumerate(experiment.edges):
         sent = _hidden_size(experiment.model_config(edge.src), output=True)
-        taken = _hidden_size(experiment.model_config(edge.dst))
+        taken_field, taken = _taken_width(experiment.model_config(edge.dst))
         if sent != taken:
+            fix = (f"set {edge.dst}.model.{taken_field}={sent}" if taken_field == "condition_size"
+                   else f"set {edge.src}.model.out_size={taken}")
             errors.append(
                 f"edges[{i}] ({edge.src} -> {edge.dst}): {edge.src} hands on width {sent} but "
-                f"{edge.dst}.model.hidden_size={taken}; set {edge.src}.model.out_size={taken}"
+                f"{edge.dst}.model.{taken_field}={taken}; {fix}"
             )
         errors += edge.compression.errors(
             f"edges[{i}].compression", reuse, _hidden_size(experiment.model_config(edge.src), output=True)

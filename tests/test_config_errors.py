@@ -8,7 +8,7 @@ import copy
 import pytest
 import yaml
 
-from hetero.config import load_experiment, validate
+from hetero.config import experiment_from_dict, load_experiment, validate
 from hetero.errors import ConfigError
 from hetero.parallel.mesh import init_distributed
 
@@ -303,3 +303,19 @@ def test_video_sink_must_leave_room_in_the_budget():
 def test_genezip_errors_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_experiment("dna_vlm", override.split()))
+
+
+def test_an_llm_conditioning_a_video_generator_needs_matching_widths():
+    raw = {
+        "world_size": 2, "batch": {"global_batch_size": 4, "micro_batch_size": 2},
+        "llm": {"kind": "gpt", "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "seq_len": 32},
+                "layout": {"dp": 2}},
+        "video": {"kind": "video", "model": {"frame_size": 16, "patch_size": 4, "hidden_size": 32},
+                  "layout": {"dp": 2}},
+        "edges": [{"src": "llm", "dst": "video"}],
+    }
+    with pytest.raises(ConfigError, match=r"edges\[0\] \(llm -> video\): llm hands on width 64 but "
+                                          r"video\.model\.condition_size=0; set video\.model\.condition_size=64"):
+        validate(experiment_from_dict(raw))
+    raw["video"]["model"]["condition_size"] = 64
+    assert validate(experiment_from_dict(raw)).world_size == 2

@@ -17,7 +17,10 @@ from torch import nn
 from hetero.parallel.pipeline import (
     SCHEDULES,
     P2PTransport,
+    PipelineForward,
     PipelineStage,
+    pipeline_backward,
+    pipeline_forward,
     run_pipeline,
     schedule_actions,
 )
@@ -185,22 +188,24 @@ class QueueTransport:
         self.finished = True
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_custom_transport_carries_all_traffic(schedule):
-    """Four stages in threads of one process, linked only through QueueTransport."""
-    num_stages, num_microbatches = 4, 5
+def queue_transports(num_stages: int) -> list[QueueTransport]:
     links = {("F", s, s + 1): queue.Queue() for s in range(num_stages - 1)}
     links.update({("B", s + 1, s): queue.Queue() for s in range(num_stages - 1)})
-    transports = [QueueTransport(links, s) for s in range(num_stages)]
+    return [QueueTransport(links, s) for s in range(num_stages)]
+
+
+def run_in_threads(num_stages: int, work) -> list:
+    """``work(stage)`` for every stage, each in its own thread; the results in stage order. A stage's
+    exception is raised here, in the test's thread."""
     results: list = [None] * num_stages
 
-    def work(s):
+    def guarded(s):
         try:
-            results[s] = run_stage(s, num_stages, schedule, num_microbatches, transports[s])
-        except BaseException as exc:  # re-raised below, in the test's thread
+            results[s] = work(s)
+        except BaseException as exc:
             results[s] = exc
 
-    threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in range(num_stages)]
+    threads = [threading.Thread(target=guarded, args=(s,), daemon=True) for s in range(num_stages)]
     for t in threads:
         t.start()
     for t in threads:
@@ -209,6 +214,15 @@ def test_custom_transport_carries_all_traffic(schedule):
         if isinstance(r, BaseException):
             raise r
     assert not any(t.is_alive() for t in threads)
+    return results
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_custom_transport_carries_all_traffic(schedule):
+    """Four stages in threads of one process, linked only through QueueTransport."""
+    num_stages, num_microbatches = 4, 5
+    transports = queue_transports(num_stages)
+    results = run_in_threads(num_stages, lambda s: run_stage(s, num_stages, schedule, num_microbatches, transports[s]))
     assert_matches_reference(results, num_microbatches)
 
     for s, t in enumerate(transports):
@@ -220,6 +234,59 @@ def test_custom_transport_carries_all_traffic(schedule):
             else:
                 expected += [("recv_backward", mb)] * (s < num_stages - 1) + [("send_backward", mb)] * (s > 0)
         assert t.calls == expected
+
+
+def downstream_gradients(num_microbatches: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randn(ROWS, HIDDEN, generator=gen) for _ in range(num_microbatches)]
+
+
+def test_split_step_lets_a_downstream_module_run_between_forward_and_backward():
+    """pipeline_forward on every stage, then a "downstream module" that returns gradients for the last
+    stage's outputs, then pipeline_backward with their inner products added: the gradients of
+    sum(loss + <output, g>) over microbatches, as in one process."""
+    num_stages, num_microbatches = 4, 3
+    transports = queue_transports(num_stages)
+    downstream = downstream_gradients(num_microbatches)
+
+    def work(s):
+        blocks = build_blocks()
+        indices = stage_blocks(s, num_stages)
+        stage = PipelineStage(nn.Sequential(*(blocks[i] for i in indices)), s, num_stages, transports[s])
+        inputs, targets = make_microbatches(num_microbatches)
+        outputs = []
+
+        def keep_output(out, target):
+            outputs.append(out)
+            return loss_fn(out, target)
+
+        forward = pipeline_forward(stage, num_microbatches, inputs if stage.is_first else None,
+                                   targets if stage.is_last else None, keep_output)
+        forwards_only = [c for mb in range(num_microbatches)
+                         for c in [("recv_forward", mb)] * (s > 0) + [("send_forward", mb)] * (s < num_stages - 1)]
+        assert transports[s].calls == forwards_only
+        extra = [(out * g).sum() for out, g in zip(outputs, downstream)] if stage.is_last else None
+        pipeline_backward(forward, extra)
+        return {"losses": forward.losses, "grads": named_grads(blocks, indices)}
+
+    results = run_in_threads(num_stages, work)
+    blocks = build_blocks()
+    model = nn.Sequential(*blocks)
+    losses = []
+    for (x, y), g in zip(zip(*make_microbatches(num_microbatches)), downstream):
+        out = model(x)
+        loss = loss_fn(out, y)
+        (loss + (out * g).sum()).backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(results[-1]["losses"], losses, **TOLERANCE)
+    grads = {name: grad for r in results for name, grad in r["grads"].items()}
+    reference_grads = named_grads(blocks, range(NUM_BLOCKS))
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference_grads[name], **TOLERANCE, msg=lambda m: f"{name}: {m}")
+    assert all(t.finished for t in transports)
+    first_of_two = PipelineStage(nn.Identity(), 0, 2, ForbiddenTransport())
+    with pytest.raises(ValueError, match="extra objectives belong to the last stage"):
+        pipeline_backward(PipelineForward(first_of_two, [(None, torch.zeros(()))], []), [torch.zeros(())])
 
 
 def test_1f1b_actions_four_stages_eight_microbatches():

@@ -9,6 +9,7 @@ dependencies (F(i) after the previous stage's F(i), B(i) after the next stage's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -167,13 +168,7 @@ def run_pipeline(
     losses on the last stage and an empty list elsewhere.
     """
     actions = schedule_actions(schedule, stage.stage_index, stage.num_stages, num_microbatches)
-    if stage.is_first and (inputs is None or len(inputs) != num_microbatches):
-        given = "None" if inputs is None else f"{len(inputs)} inputs"
-        raise ValueError(f"the first stage needs {num_microbatches} inputs, one per microbatch; got {given}")
-    if stage.is_last and (targets is None or len(targets) != num_microbatches):
-        given = "None" if targets is None else f"{len(targets)} targets"
-        raise ValueError(f"the last stage needs {num_microbatches} targets, one per microbatch; got {given}")
-
+    _check_data(stage, num_microbatches, inputs, targets)
     # microbatch -> (received activation or None on the first stage, tensor to backprop from)
     saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: list[torch.Tensor] = []
@@ -184,6 +179,60 @@ def run_pipeline(
             _backward(stage, mb, *saved.pop(mb))
     stage.transport.finish()
     return losses
+
+
+@dataclass
+class PipelineForward:
+    """The forward half of a GPipe step, kept for ``pipeline_backward``: per microbatch, the received
+    activation (None on the first stage) and the tensor to backpropagate from (the last stage: the
+    loss ``loss_fn`` returned); ``losses`` as ``run_pipeline`` returns them."""
+
+    stage: PipelineStage
+    saved: list[tuple[torch.Tensor | None, torch.Tensor]]
+    losses: list[torch.Tensor]
+
+
+def pipeline_forward(
+    stage: PipelineStage,
+    num_microbatches: int,
+    inputs: Sequence[Any] | None,
+    targets: Sequence[Any] | None,
+    loss_fn: LossFn,
+) -> PipelineForward:
+    """Every forward of a GPipe step on this stage, and nothing else: other modules can run between it
+    and ``pipeline_backward`` (a module fed by the last stage's outputs returns their gradients there)."""
+    _check_data(stage, num_microbatches, inputs, targets)
+    losses: list[torch.Tensor] = []
+    saved = [_forward(stage, mb, inputs, targets, loss_fn, losses) for mb in range(num_microbatches)]
+    return PipelineForward(stage, saved, losses)
+
+
+def pipeline_backward(forward: PipelineForward, extra: Sequence[torch.Tensor] | None = None) -> None:
+    """Every backward of the step ``forward`` began, in microbatch order (GPipe). ``extra`` (last stage
+    only): per microbatch a scalar added to the loss before its backward, e.g. the inner product of
+    outputs with the gradients a downstream module returned for them."""
+    stage = forward.stage
+    if extra is not None and (not stage.is_last or len(extra) != len(forward.saved)):
+        raise ValueError(
+            f"extra objectives belong to the last stage, one per microbatch; stage {stage.stage_index} of "
+            f"{stage.num_stages} got {len(extra)} for {len(forward.saved)} microbatches"
+        )
+    for mb, (received, out) in enumerate(forward.saved):
+        _backward(stage, mb, received, out if extra is None else out + extra[mb])
+    forward.saved.clear()
+    stage.transport.finish()
+
+
+def _check_data(stage: PipelineStage, num_microbatches: int, inputs: Sequence[Any] | None,
+                targets: Sequence[Any] | None) -> None:
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
+    if stage.is_first and (inputs is None or len(inputs) != num_microbatches):
+        given = "None" if inputs is None else f"{len(inputs)} inputs"
+        raise ValueError(f"the first stage needs {num_microbatches} inputs, one per microbatch; got {given}")
+    if stage.is_last and (targets is None or len(targets) != num_microbatches):
+        given = "None" if targets is None else f"{len(targets)} targets"
+        raise ValueError(f"the last stage needs {num_microbatches} targets, one per microbatch; got {given}")
 
 
 def _forward(

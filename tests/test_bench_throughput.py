@@ -147,7 +147,11 @@ def test_under_torchrun_every_process_is_a_rank_and_the_experiment_scales_to_the
     assert run["layouts"]["llm"]["dp"] == 2 and run["bytes_per_step"]["grad_sync.llm"] > 0
     assert done.stdout.count("tokens/s") == 1
 
-    unscaled = [arg for arg in command if arg not in ("--scaling", "weak")]
-    done = subprocess.run(unscaled, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode != 0
-    assert "torchrun started 2 ranks but colocated_vlm runs on world_size=1; pass --scaling" in done.stderr
+
+
+def test_under_torchrun_a_world_that_does_not_match_is_refused_before_joining(monkeypatch, capsys):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    one_rank = ["world_size=1", "vision.layout.dp=1", "llm.layout.tp=1", "llm.layout.dp=1", "vision.micro_batch_size=8"]
+    assert main(["bench", "throughput", "colocated_vlm", *one_rank, "--steps", "1"]) == 2
+    assert "torchrun started 2 ranks but colocated_vlm runs on world_size=1; pass --scaling" in capsys.readouterr().err

@@ -54,6 +54,8 @@ def _train(job: Job) -> dict[str, float]:
     batch_size = experiment.batch.global_batch_size
     train = VideoClips(cfg.data_dir, "train", batch_size, experiment.seed)
     heldout = VideoClips(cfg.data_dir, "heldout", CLIPS["heldout"], experiment.seed).batch(0)
+    if cfg.eval_batches:  # the first eval_batches global batches of the held-out clips
+        heldout = {key: value[: cfg.eval_batches * batch_size] for key, value in heldout.items()}
 
     torch.manual_seed(experiment.seed)
     model = parallelize_video(VideoGenerator(config), mesh, module.parallel)

@@ -7,7 +7,7 @@ from hetero.train import text_lm
 
 
 def test_text_lm_trains_and_evaluates(capsys):
-    curve = text_lm.train(minutes=5, batch_size=2, lr=2e-3, eval_every=2, seed=0, max_steps=4)
+    curve = text_lm.train(minutes=5, batch_size=2, lr=2e-3, eval_every=2, seed=0, max_steps=4, eval_batches=2)
     assert [point[0] for point in curve] == [2, 4]
     assert all(0 < point[3] < 9 for point in curve)  # held-out bits per byte of a byte model
     assert "held-out" in capsys.readouterr().out
@@ -73,11 +73,12 @@ def test_video_memory_benchmark_prints_every_policy(tmp_path):
 
 
 def test_genezip_benchmark_prints_every_model(tmp_path):
-    """Tiny budgets: genome shards, the three models trained, every held-out window evaluated; a row per
+    """Tiny budgets: genome shards, the three models trained, two held-out batches evaluated; a row per
     model with its BPT per region and the floor check."""
     done = subprocess.run(
         ["hetero", "bench", "genezip", "--steps", "2", "--window", "512", "--hidden", "16", "--main-layers", "1",
-         "--encoder-layers", "1", "--local-window", "16", "--batch", "2", "--seeds", "0", "--data", str(tmp_path)],
+         "--encoder-layers", "1", "--local-window", "16", "--batch", "2", "--seeds", "0", "--eval-batches", "2",
+         "--data", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -25,9 +25,10 @@ def heldout_bpb(trainer: LMTrainer, batches: list[tuple[torch.Tensor, torch.Tens
 
 
 def train(
-    minutes: float, batch_size: int, lr: float, eval_every: int, seed: int, max_steps: int
+    minutes: float, batch_size: int, lr: float, eval_every: int, seed: int, max_steps: int, eval_batches: int = 16
 ) -> list[tuple[int, float, float, float]]:
-    """Train until the time budget (or max_steps) runs out; return (step, seconds, train bpb, held-out bpb)."""
+    """Train until the time budget (or max_steps) runs out; return (step, seconds, train bpb, held-out bpb
+    over ``eval_batches`` held-out batches of 32 windows)."""
     corpus = load_stdlib_corpus()
     config = DEFAULT_MODEL
     trainer = LMTrainer(
@@ -37,7 +38,7 @@ def train(
         optimizer=OptimizerConfig(lr=lr, warmup_steps=50, weight_decay=0.1, decay_steps=max_steps),
         seed=seed,
     )
-    evaluation = heldout_batches(corpus.heldout, 32, config.seq_len, 16)
+    evaluation = heldout_batches(corpus.heldout, 32, config.seq_len, eval_batches)
     params = sum(p.numel() for p in trainer.model.parameters())
     print(f"model {asdict(config)}: {params / 1e6:.2f} M parameters; train {corpus.train.numel() / 1e6:.1f} MB, "
           f"held-out {corpus.heldout.numel() / 1e3:.0f} kB", flush=True)
@@ -68,8 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches of 32 windows per evaluation")
     args = parser.parse_args(argv)
-    curve = train(args.minutes, args.batch_size, args.lr, args.eval_every, args.seed, args.max_steps)
+    curve = train(args.minutes, args.batch_size, args.lr, args.eval_every, args.seed, args.max_steps, args.eval_batches)
     print(f"final held-out {curve[-1][3]:.3f} bits per byte after {curve[-1][0]} steps, {curve[-1][1]:.0f} s")
 
 

@@ -47,6 +47,7 @@ BENCHMARKS = {
     "boundary": "hetero.bench.boundary",
     "compression": "hetero.bench.compression",
     "genezip": "hetero.bench.genezip",
+    "graph": "hetero.bench.graph",
     "overhead": "hetero.bench.overhead",
     "plan-accuracy": "hetero.bench.plan_accuracy",
     "throughput": "hetero.bench.throughput",

@@ -25,6 +25,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hetero.data.multimodal import Presence
 from hetero.errors import ConfigError
 from hetero.models import MODEL_CONFIGS
 from hetero.parallel.compression.config import CompressionConfig
@@ -60,6 +61,7 @@ class ModuleConfig:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     micro_batch_size: int | None = None
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    loss_weight: float = 1.0  # this module's own loss in a graph's combined loss (llm: text; genezip; video)
 
 
 @dataclass
@@ -72,6 +74,8 @@ class TrainConfig:
     eval_batches: int = 0  # held-out batches per evaluation (0: the whole held-out split)
     data_dir: str = "data/digits"  # webdataset shards; written there on first use
     genome_dir: str = "data/genome"  # a DNA module's genome shards, one set per window length under it
+    clip_dir: str = "data/graph_clips"  # the four-module graph's video clips
+    presence: Presence = field(default_factory=Presence)  # the graph's samples: P(image), P(dna), P(clip)
     run_dir: str = "outputs"  # each run writes under run_dir/<experiment name>
     wandb: str = "offline"  # offline | disabled: no network is ever needed
     wandb_project: str = "hetero"
@@ -175,6 +179,8 @@ def experiment_from_dict(raw: DictConfig | dict) -> ExperimentConfig:
         experiment = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ExperimentConfig), top))
     except OmegaConfBaseException as err:
         raise _field_error("experiment", err) from None
+    except ValueError as err:  # a field's own check (the only nested one with checks: train.presence)
+        raise ConfigError(f"train.{err}") from None
     assert isinstance(experiment, ExperimentConfig)
     experiment.modules = modules
     return experiment

@@ -46,7 +46,7 @@ def _with_parents(path: Path) -> dict:
     raw = yaml.safe_load(open(path))
     merged: dict = {}
     for parent in raw.pop("defaults", []):
-        if isinstance(parent, str) and not parent.startswith("/"):
+        if isinstance(parent, str) and not parent.startswith("/") and parent != "_self_":
             merged = _merge(merged, _with_parents(path.with_name(f"{parent}.yaml")))
     return _merge(merged, raw)
 

@@ -209,7 +209,8 @@ def test_command_line(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert re.search(r"GCF_001457455\.1, 2463666 bases, \d{4} genes called, split point 1847750", printed)
     assert "heldout 75 windows in 1 shards" in printed and "train 225 windows in 1 shards" in printed
-    assert sorted(p.name for p in out.iterdir()) == ["heldout-000000.tar", MANIFEST, "train-000000.tar"]
+    assert sorted(p.name for p in out.iterdir()) == [".windows-heldout.pt", ".windows-train.pt", "heldout-000000.tar",
+                                                     MANIFEST, "train-000000.tar"]
     assert load_manifest(out)["meta"]["window"] == 8192
     assert genome.main(["--out", str(out), "--window", "8192", "--heldout-fraction", "0.25"]) == 0
     assert genome.main(["--out", str(out)]) == 2
@@ -217,3 +218,21 @@ def test_command_line(tmp_path, capsys):
     assert genome.main(["--out", str(tmp_path / "bad"), "--window", "8"]) == 2
     assert "window=8" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_windows_are_read_once_then_loaded_from_their_columns_file(shard_dir):
+    """The first reader leaves ``.windows-<split>.pt`` beside the shards; later readers load it and get the
+    same tensors; a damaged file, or one from another shard set, is rebuilt from the shards."""
+    first = GenomeWindows(shard_dir, "heldout", 4)
+    columns = shard_dir / ".windows-heldout.pt"
+    assert columns.is_file()
+    again = GenomeWindows(shard_dir, "heldout", 4)
+    for key in ("bases", "regions", "index"):
+        assert torch.equal(first.column(key), again.column(key))
+    columns.write_bytes(b"not a torch file")
+    assert torch.equal(GenomeWindows(shard_dir, "heldout", 4).column("bases"), first.column("bases"))
+    stale = torch.load(columns, weights_only=True)
+    stale["shards"] = ["another set"]
+    stale["columns"]["bases"] = torch.zeros_like(stale["columns"]["bases"])
+    torch.save(stale, columns)
+    assert torch.equal(GenomeWindows(shard_dir, "heldout", 4).column("bases"), first.column("bases"))

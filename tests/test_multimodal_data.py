@@ -106,7 +106,7 @@ def test_presence_rates_match_the_probabilities_independently():
         assert abs((train[:, a] * train[:, b]).mean() - rates[a] * rates[b]) < 0.03
     skewed = presence_flags(0, "train", range(1797), Presence(image=0.1, dna=0.9, clip=0.3)).double().mean(0)
     assert (skewed - torch.tensor([0.1, 0.9, 0.3], dtype=torch.float64)).abs().max() < 0.05, skewed
-    with pytest.raises(ValueError, match="presence clip=1.5"):
+    with pytest.raises(ValueError, match="presence.clip=1.5"):
         Presence(clip=1.5)
 
 

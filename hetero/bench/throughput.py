@@ -194,7 +194,7 @@ def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int
 def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:
     """The same experiment with its data and run folders absolute (ranks may start in another folder)."""
     cfg = experiment.train
-    train = replace(cfg, **{key: str(Path(getattr(cfg, key)).resolve()) for key in ("data_dir", "genome_dir", "run_dir")})
+    train = replace(cfg, **{key: str(Path(getattr(cfg, key)).resolve()) for key in ("data_dir", "genome_dir", "clip_dir", "run_dir")})
     return replace(experiment, train=train)
 
 

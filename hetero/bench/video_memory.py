@@ -34,9 +34,8 @@ import torch
 from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards, make_clips
 from hetero.models.video import FrameCache, VideoConfig, VideoGenerator, context_schedule, patchify
 from hetero.models.video_memory import MemoryConfig
-from hetero.models.video_objectives import distillation_loss, flow_matching_loss, next_frame_errors, rollout
+from hetero.models.video_objectives import distillation_loss, flow_matching_loss, next_frame_errors, rollout, to_model
 from hetero.models.video_router import ImportanceRouter
-from hetero.train.video_run import to_model
 
 ORDER = ("full", "sliding", "sink_window", "slow_fast", "learned")
 

@@ -39,7 +39,7 @@ import torch
 
 from hetero.data import shard_command
 from hetero.data.digits import SPLITS, SampleBatches
-from hetero.data.shards import ShardError, ensure_shard_set, read_split, write_shard_set
+from hetero.data.shards import ShardError, ensure_shard_set, read_columns, write_shard_set
 from hetero.errors import ConfigError
 
 BASES = "ACGTN"
@@ -220,12 +220,17 @@ def ensure_genome_shards(
     """The manifest of the genome shards in ``out_dir``, writing them first if no complete set is there;
     ``ShardError`` naming the differing fields if the set there was made with other options.
 
-    Safe when several processes call it at once: one rename wins and the others read its set.
+    Safe when several processes call it at once: one rename wins and the others read its set. Each
+    split's windows are also decoded once into their columns file (``GenomeWindows``), so that a job's
+    other ranks, which call this after its first, load tensors instead of decoding every sample.
     """
     options = options or GenomeOptions()
-    return ensure_shard_set(
+    manifest = ensure_shard_set(
         out_dir, lambda: write_genome_shards(out_dir, options, samples_per_shard), _meta(options, samples_per_shard)
     )
+    for split in SPLITS:
+        read_columns(out_dir, split, "windows", _window_columns)
+    return manifest
 
 
 class GenomeWindows(SampleBatches):
@@ -243,12 +248,18 @@ class GenomeWindows(SampleBatches):
     def __init__(self, shard_dir: str | Path, split: str, batch_size: int, seed: int = 0):
         if split not in SPLITS:
             raise ValueError(f"split={split!r} is not one of {SPLITS}")
-        samples = read_split(shard_dir, split)
+        columns = read_columns(shard_dir, split, "windows", _window_columns)
         super().__init__({
-            "bases": torch.from_numpy(np.stack([s["bases.npy"] for s in samples])).long(),
-            "regions": torch.from_numpy(np.stack([s["regions.npy"] for s in samples])).long(),
-            "index": torch.tensor([s["json"]["index"] for s in samples]),
+            "bases": columns["bases"].long(), "regions": columns["regions"].long(), "index": columns["index"],
         }, split, batch_size, seed)
+
+
+def _window_columns(samples: list[dict]) -> dict[str, torch.Tensor]:
+    return {
+        "bases": torch.from_numpy(np.stack([s["bases.npy"] for s in samples]).astype(np.uint8)),
+        "regions": torch.from_numpy(np.stack([s["regions.npy"] for s in samples]).astype(np.uint8)),
+        "index": torch.tensor([s["json"]["index"] for s in samples]),
+    }
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

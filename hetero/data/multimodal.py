@@ -46,7 +46,7 @@ MODALITIES = ("image", "dna", "clip")  # besides text, which every sample has
 GC_CLAUSE_BYTES = len(" gc 0.")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Presence:
     """The probability that a sample carries each modality besides text, drawn independently."""
 
@@ -57,7 +57,7 @@ class Presence:
     def __post_init__(self) -> None:
         for name, p in dataclasses.asdict(self).items():
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
-                raise ValueError(f"presence {name}={p!r} must be a probability in [0, 1]")
+                raise ValueError(f"presence.{name}={p!r} must be a probability in [0, 1]")
 
 
 def presence_flags(seed: int, split: str, indices: Sequence[int], presence: Presence) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import warnings
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import webdataset as wds
 
 MANIFEST = "manifest.json"
@@ -138,6 +140,31 @@ def read_split(shard_dir: str | os.PathLike, split: str, bad_shards: str = "erro
     if not samples:
         raise ShardError(f"{shard_dir}: no readable shard in split {split!r}")
     return samples
+
+
+def read_columns(
+    shard_dir: str | os.PathLike, split: str, name: str, columns: Callable[[list[dict[str, Any]]], dict[str, Any]]
+) -> dict[str, Any]:
+    """``columns(read_split(shard_dir, split))`` (tensors, lists and numbers), kept beside the shards in
+    ``.<name>-<split>.pt`` so that the next reader (another rank, the next job) loads a few tensors
+    instead of decoding every sample. The file records the SHA-256 of each shard it came from: a set
+    written again makes it stale, and a stale or unreadable file is rebuilt. Written atomically; read
+    with ``weights_only``. (Shards that change on disk afterwards go unnoticed by readers of the file.)"""
+    shard_dir = Path(shard_dir)
+    splits = load_manifest(shard_dir)["splits"]
+    digests = [shard["sha256"] for shard in splits.get(split, {}).get("shards", [])]
+    path = shard_dir / f".{name}-{split}.pt"
+    try:
+        cached = torch.load(path, weights_only=True)
+        if cached["shards"] == digests:
+            return cached["columns"]
+    except (OSError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError):
+        pass  # absent, partial or from another version: rebuilt below
+    built = columns(read_split(shard_dir, split))
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    torch.save({"shards": digests, "columns": built}, partial)
+    os.replace(partial, path)  # several ranks may race here: each writes its own file, one rename wins
+    return built
 
 
 def _refuse_existing(out_dir: Path) -> None:

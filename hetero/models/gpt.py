@@ -160,12 +160,15 @@ class GPT(nn.Module):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, return_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token ids (batch, seq) or embeddings (batch, seq, hidden) on the first stage, hidden states on
         later stages.
 
         ``positions`` are the absolute positions of the sequence this rank holds (needed when the
-        sequence is split, e.g. by context parallelism); by default 0..seq-1.
+        sequence is split, e.g. by context parallelism); by default 0..seq-1. ``return_hidden``: also
+        return the final (normed) hidden states, e.g. for a module conditioned on them.
         """
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
@@ -178,7 +181,8 @@ class GPT(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        out = self.output(h) if self.output is not None else h
+        return (out, h) if return_hidden else out
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,11 @@ def _noisy_targets(patches: torch.Tensor, generator: torch.Generator | None):
     return target, noise, noisy, tau
 
 
+def to_model(frames: torch.Tensor) -> torch.Tensor:
+    """Pixels in [0, 1] -> [-1, 1], nearer the unit-variance noise flow matching starts from."""
+    return frames * 2 - 1
+
+
 def flow_matching_loss(
     model: VideoGenerator,
     frames: torch.Tensor,

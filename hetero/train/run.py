@@ -100,6 +100,10 @@ def train(experiment: ExperimentConfig) -> dict[str, float]:
         from hetero.train.genezip_run import train_genezip
 
         return train_genezip(experiment)
+    from hetero.train.graph_run import is_graph, train_graph
+
+    if is_graph(experiment):
+        return train_graph(experiment)
     check_vlm_edges(experiment)
     return run_job(experiment, _train_vlm)
 

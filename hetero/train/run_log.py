@@ -56,7 +56,7 @@ class RunLog:
         residuals = " ".join(f"{k}={v:.3g}" for k, v in metrics.items() if k.startswith("ef_residual.") and v)
         if metrics.get("ec_memory_bytes"):
             residuals += f" ec_memory={_bytes(metrics['ec_memory_bytes'])}"
-        own = "".join(f" | {key.replace('_', ' ')} {metrics[key]:.4f}" for key in ("dna_loss", "ratio_loss") if key in metrics)
+        own = "".join(f" | {key.replace('_', ' ')} {metrics[key]:.4f}" for key in ("text_loss", "dna_loss", "video_loss", "ratio_loss") if key in metrics)
         print(
             f"step {step:5d} | loss {metrics['loss']:.4f}{own} | {metrics['tokens_per_s']:8.0f} tok/s | "
             f"{metrics['step_s'] * 1e3:7.1f} ms | grad norm {metrics['grad_norm']:.3f} | {traffic}"
@@ -92,12 +92,14 @@ class RunLog:
         self.history.flush()
 
     def evaluation(self, step: int, accuracy: dict[str, float], seconds: float) -> None:
-        """Held-out accuracies: ``accuracy`` (the digit) and, with a DNA encoder, ``gc_accuracy``."""
+        """Held-out accuracies: ``accuracy`` (the digit) and, with a DNA encoder, ``gc_accuracy``; and any
+        held-out losses (keys ending in ``loss``)."""
         if not self.enabled:
             return
         shown = f"held-out digit accuracy {accuracy['accuracy']:.3f}"
         if "gc_accuracy" in accuracy:
             shown += f", GC-bin accuracy {accuracy['gc_accuracy']:.3f}"
+        shown += "".join(f", {key.replace('_', ' ')} {value:.4f}" for key, value in accuracy.items() if key.endswith("loss"))
         print(f"step {step:5d} | {shown} | {seconds:.0f} s", flush=True)
         if self.wandb is not None:
             self.wandb.log({f"heldout/{key}": value for key, value in accuracy.items()}, step=step)

@@ -21,7 +21,7 @@ from hetero.config import ExperimentConfig
 from hetero.data.digits import dp_slice
 from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards
 from hetero.models.video import VideoGenerator
-from hetero.models.video_objectives import distillation_loss, flow_matching_loss, next_frame_errors
+from hetero.models.video_objectives import distillation_loss, flow_matching_loss, next_frame_errors, to_model
 from hetero.models.video_parallelize import parallelize_video
 from hetero.models.video_router import ImportanceRouter
 from hetero.parallel.data import AllReduceGradSync
@@ -30,11 +30,6 @@ from hetero.train.optim import build_adamw
 
 CLIPS = {"train": 512, "heldout": 64}
 ROUTER_SPARSITY = 0.002
-
-
-def to_model(frames: torch.Tensor) -> torch.Tensor:
-    """Pixels in [0, 1] -> [-1, 1], nearer the unit-variance noise flow matching starts from."""
-    return frames * 2 - 1
 
 
 def train_video(experiment: ExperimentConfig) -> dict[str, float]:

@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from hetero.data.digits import dp_rows
 from hetero.errors import ConfigError
 from hetero.models.genezip import GeneZip, GeneZipConfig, padded_tokens
 from hetero.models.genezip_objectives import genezip_loss
@@ -53,98 +51,14 @@ from hetero.parallel.boundary import Boundary, Side, TensorSpec
 from hetero.parallel.boundary_plan import Sharding
 from hetero.parallel.boundary_transport import BoundaryReceiver, BoundarySender, LinkedTransport
 from hetero.parallel.compressed_boundary import CompressedBoundary
-from hetero.parallel.compressed_p2p import CompressedNextLink, CompressedPreviousLink
-from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.edge import EdgeEnd
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
-from hetero.parallel.data import local_data, local_grad
 from hetero.parallel.mesh import ModuleMesh
-from hetero.parallel.options import ParallelOptions
-from hetero.parallel.pipeline import P2PTransport, PipelineStage, run_pipeline
+from hetero.parallel.pipeline import PipelineStage, run_pipeline
 from hetero.parallel.placement import Placement
-from hetero.parallel.replica_sync import ReplicaSync
-from hetero.train.optim import OptimizerConfig, build_adamw
-
-
-@dataclass
-class ModuleSetup:
-    """What the trainer needs to know about one module besides its mesh."""
-
-    options: ParallelOptions
-    optimizer: OptimizerConfig
-    compression: CompressionConfig = field(default_factory=CompressionConfig)
-
-
-class ModuleRuntime:
-    """One module on this rank: its parallelized model, optimizer and replica sync."""
-
-    def __init__(self, name: str, model: nn.Module, mesh: ModuleMesh, setup: ModuleSetup, seed: int):
-        self.name, self.model, self.mesh, self.setup, self.seed = name, model, mesh, setup, seed
-        self.optimizer = build_adamw(model, setup.optimizer)
-        self.replica_sync = ReplicaSync(model, mesh, setup.options, setup.compression, seed)
-
-    def local_state(self) -> dict:
-        """The replica sync's buffers; under DiLoCo also this replica's own weights and optimizer state,
-        which drift apart from the other replicas' between outer rounds."""
-        state: dict = {"replica_sync": self.replica_sync.state_dict()}
-        if self.replica_sync.diloco is not None:
-            params = dict(self.model.named_parameters())
-            state["weights"] = {n: local_data(p).clone() for n, p in params.items()}
-            state["optimizer"] = {
-                n: {k: _local(v).clone() for k, v in self.optimizer.state[p].items()}
-                for n, p in params.items()
-                if p in self.optimizer.state
-            }
-        return state
-
-    def load_local_state(self, state: dict) -> None:
-        self.replica_sync.load_state_dict(state["replica_sync"])
-        with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                if name in state.get("weights", {}):
-                    local_data(param).copy_(state["weights"][name])
-                for key, value in state.get("optimizer", {}).get(name, {}).items():
-                    _local(self.optimizer.state[param][key]).copy_(value)
-
-    def reset_replica_sync(self) -> None:
-        """Start the replica sync afresh from the current weights (DiLoCo's anchor included)."""
-        self.replica_sync = ReplicaSync(self.model, self.mesh, self.setup.options, self.setup.compression, self.seed)
-
-    def nonfinite(self) -> bool:
-        """Whether any gradient this rank holds has a NaN or an infinity."""
-        return any(not bool(torch.isfinite(g).all()) for g in map(local_grad, self.model.parameters()) if g is not None)
-
-    def rows(self, batch_size: int) -> slice:
-        """This rank's contiguous rows of a microbatch (by the module's own DP coordinate)."""
-        return dp_rows(batch_size, self.mesh.coord.dp, self.mesh.layout.dp)
-
-    def squared_grad_norm(self) -> torch.Tensor:
-        """Sum of squared gradients of the whole module, each element counted once, on every rank of it."""
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
-        for param in self.model.parameters():
-            grad = local_grad(param)
-            if grad is None:
-                continue
-            value = grad.double().pow(2).sum()
-            placements = param.grad.placements if isinstance(param.grad, DTensor) else ()
-            if any(isinstance(p, Shard) for p in placements):
-                sharded += value
-            else:
-                replicated += value
-        if self.mesh.layout.tp > 1:
-            dist.all_reduce(sharded, group=self.mesh.group("tp"))
-        total = sharded + replicated
-        if self.setup.options.fsdp and self.mesh.layout.dp * self.mesh.layout.cp > 1:
-            dist.all_reduce(total, group=self.mesh.group("dp_cp"))  # FSDP shards over dp×cp
-        if self.mesh.layout.pp > 1:
-            dist.all_reduce(total, group=self.mesh.group("pp"))
-        return total
-
-    def scale_grads(self, factor: float) -> None:
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad.mul_(factor)
+from hetero.train.module_runtime import ModuleRuntime, ModuleSetup, local_tensor
+from hetero.train.stage_links import CallableStage, llm_stage_edges, stage_links
+from hetero.train.world_step import nonfinite_modules, sync_clip_and_step
 
 
 class VLMTrainer:
@@ -233,13 +147,7 @@ class VLMTrainer:
         self.sample_reuse = sample_reuse
         self.pipeline_bytes = {"forward": 0, "backward": 0}  # sent between the LLM's stages by this rank
         self.llm_edges: dict[str, EdgeEnd] = {}  # "previous"/"next": ends of compressed LLM stage edges
-        stage_edge = setups["llm"].compression.pipeline
-        llm = self.modules.get("llm")
-        if stage_edge.enabled and llm_layout.pp > 1 and llm is not None:
-            if not llm.mesh.is_first_stage:
-                self.llm_edges["previous"] = EdgeEnd(stage_edge, "downstream", "llm stage edge")
-            if not llm.mesh.is_last_stage:
-                self.llm_edges["next"] = EdgeEnd(stage_edge, "upstream", "llm stage edge")
+        self.llm_edges = llm_stage_edges(self.modules.get("llm"), setups["llm"].compression.pipeline)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on the global batch (images, tokens, labels); returns loss and grad norm."""
@@ -293,16 +201,8 @@ class VLMTrainer:
                 module.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             return {"loss": self._world_loss(losses), "grad_norm": math.nan, "stepped": 0.0} | extra
-        for module in self.modules.values():
-            module.replica_sync.before_step()
-        grad_norm = self._clip_world_wide()
+        grad_norm = sync_clip_and_step(list(self.placement.layouts), self.modules, self.grad_clip, self.step)
         stepped = math.isfinite(grad_norm)
-        if stepped:
-            for module in self.modules.values():
-                for group in module.optimizer.param_groups:
-                    group["lr"] = module.setup.optimizer.lr_at(self.step)
-                module.optimizer.step()
-                module.replica_sync.after_step()
         self.step += 1
         return {"loss": self._world_loss(losses), "grad_norm": grad_norm, "stepped": float(stepped)} | extra
 
@@ -334,20 +234,8 @@ class VLMTrainer:
             module.reset_replica_sync()
 
     def _nonfinite_ranks(self, losses: list[torch.Tensor]) -> dict[str, list[int]]:
-        """Modules with a NaN or infinite gradient (or, for the LLM, loss) on some rank, and those ranks;
-        the same on every rank. Checked before the gradient sync, which would spread the values."""
-        names = list(self.placement.layouts)
-        flags = torch.zeros(len(names), dist.get_world_size())
-        for i, name in enumerate(names):
-            module = self.modules.get(name)
-            bad = module is not None and module.nonfinite()
-            if name == "llm":
-                bad = bad or any(not bool(torch.isfinite(_local(loss)).all()) for loss in losses)
-            flags[i, dist.get_rank()] = float(bad)
-        dist.all_reduce(flags)
-        return {
-            name: [int(r) for r in torch.nonzero(flags[i]).flatten()] for i, name in enumerate(names) if flags[i].any()
-        }
+        bad_loss = any(not bool(torch.isfinite(local_tensor(loss)).all()) for loss in losses)
+        return nonfinite_modules(list(self.placement.layouts), self.modules, {"llm": bad_loss})
 
     def _begin_edges(self, micro: int, sample_ids: torch.Tensor | None) -> None:
         """Tell every compressed edge end this step's rows (global-batch positions) and whether the batch
@@ -517,24 +405,11 @@ class VLMTrainer:
                 activation = (rows.stop - rows.start, tokens.shape[1], self.llm_config.hidden_size)
                 edges = self.llm_edges if self._training else {}
                 edge = self._boundary_edge()
-                prev_link = None
-                if coord.pp > 0:
-                    prev_rank = layout.rank_at(coord._replace(pp=coord.pp - 1))
-                    if "previous" in edges:
-                        prev_link = CompressedPreviousLink(prev_rank, activation, edges["previous"])
-                    else:
-                        prev_link = P2PTransport(prev_rank, None, activation, torch.float32)
-                elif graph:
+                prev_link, next_link = stage_links(llm.mesh, activation, edges)
+                if graph and coord.pp == 0:
                     prev_link = edge.receiver_link(shape) if edge is not None else BoundaryReceiver(self.boundary, shape)
-                next_link = None
-                if not last:
-                    next_rank = layout.rank_at(coord._replace(pp=coord.pp + 1))
-                    if "next" in edges:
-                        next_link = CompressedNextLink(next_rank, activation, edges["next"])
-                    else:
-                        next_link = P2PTransport(None, next_rank, activation, torch.float32)
                 losses = run_pipeline(
-                    PipelineStage(_Callable(stage), offset + coord.pp, offset + layout.pp,
+                    PipelineStage(CallableStage(stage), offset + coord.pp, offset + layout.pp,
                                   LinkedTransport(prev_link, next_link)),
                     llm.setup.options.pipeline_schedule,
                     self.num_microbatches,
@@ -561,28 +436,6 @@ class VLMTrainer:
             for embeds in received
         ]
         return losses, grads or [[None] * len(self.encoders)] * self.num_microbatches
-
-    def _clip_world_wide(self) -> float:
-        """Global gradient norm over every module, agreed by every rank; clip when it exceeds the limit."""
-        names = list(self.placement.layouts)
-        squares = torch.zeros(len(names), dtype=torch.float64)
-        for i, name in enumerate(names):
-            if name in self.modules:
-                squares[i] = self.modules[name].squared_grad_norm()
-        # Every rank of a module holds the same value and the others hold 0: MAX agrees world-wide. (Under
-        # DiLoCo a module's replicas hold different local gradients; MAX then takes the largest norm.)
-        nonfinite = (~torch.isfinite(squares)).to(torch.float64)
-        squares = torch.nan_to_num(squares, nan=0.0, posinf=0.0)
-        dist.all_reduce(squares, op=dist.ReduceOp.MAX)
-        dist.all_reduce(nonfinite, op=dist.ReduceOp.MAX)
-        if nonfinite.any():
-            return math.inf
-        norm = math.sqrt(float(squares.sum()))
-        if self.grad_clip > 0 and norm > self.grad_clip:
-            factor = self.grad_clip / (norm + 1e-6)
-            for module in self.modules.values():
-                module.scale_grads(factor)
-        return norm
 
     def _world_accuracy(self, hits: torch.Tensor) -> dict[str, float]:
         llm = self.modules.get("llm")
@@ -616,23 +469,8 @@ class VLMTrainer:
         return float(total)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _no_loss(output: torch.Tensor, target: object) -> torch.Tensor:
     raise AssertionError("the encoder is never the last stage of the graph pipeline")
-
-
-class _Callable(nn.Module):
-    """A function as the module of a pipeline stage."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
 
 
 def _image_sharding() -> Sharding:

@@ -51,7 +51,7 @@ class RowStore:
         self.rows: dict[int, torch.Tensor] = {}
 
     def get(self, keys: list[int], like: torch.Tensor) -> torch.Tensor:
-        if not self.rows:
+        if not self.rows or not keys:  # nothing kept yet, or no rows (a replica with none this microbatch)
             return torch.zeros_like(like)
         zero = torch.zeros_like(like[0])
         return torch.stack([self.rows.get(key, zero) for key in keys])

@@ -38,7 +38,6 @@ from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -63,7 +62,7 @@ from hetero.parallel.layout import Layout
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.pipeline import PipelineStage, pipeline_backward, pipeline_forward
 from hetero.parallel.placement import Placement
-from hetero.train.module_runtime import ModuleRuntime, ModuleSetup, local_tensor
+from hetero.train.module_runtime import ModuleRuntime, TrainerState, ModuleSetup, local_tensor
 from hetero.train.stage_links import CallableStage, llm_stage_edges, stage_links
 from hetero.train.world_step import nonfinite_modules, sync_clip_and_step
 
@@ -125,7 +124,7 @@ class GraphEdge:
         return totals
 
 
-class GraphTrainer:
+class GraphTrainer(TrainerState):
     def __init__(
         self,
         placement: Placement,
@@ -209,25 +208,6 @@ class GraphTrainer:
                 ends[f"{name}.upstream"], ends[f"{name}.downstream"] = edge.codec.upstream, edge.codec.downstream
         return ends
 
-    def checkpoint_modules(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
-        return {name: (module.model, module.optimizer) for name, module in self.modules.items()}
-
-    def local_state(self) -> dict:
-        return {
-            "modules": {name: module.local_state() for name, module in self.modules.items()},
-            "edges": {key: end.state_dict() for key, end in self.edge_ends().items()},
-        }
-
-    def load_local_state(self, state: dict) -> None:
-        for name, module in self.modules.items():
-            module.load_local_state(state["modules"][name])
-        for key, end in self.edge_ends().items():
-            end.load_state_dict(state["edges"][key])
-
-    def reset_local_state(self) -> None:
-        for module in self.modules.values():
-            module.reset_replica_sync()
-
     # ---------------------------------------------------------------------------------------- a step
 
     def _step(self, batch: Mapping[str, torch.Tensor], update: bool) -> dict[str, float]:
@@ -280,11 +260,8 @@ class GraphTrainer:
         bad = {LOSS_MODULE[name]: any(not bool(torch.isfinite(local_tensor(v)).all()) for v in values)
                for name, values in self._sums.items()}
         self.nonfinite = nonfinite_modules(list(self.placement.layouts), self.modules, bad)
-        if self.nonfinite:  # skipped on every rank: weights, optimizers and compression state stay as they were
-            for key, end in self.edge_ends().items():
-                end.load_state_dict(edge_states[key])
-            for module in self.modules.values():
-                module.optimizer.zero_grad(set_to_none=True)
+        if self.nonfinite:
+            self.undo_step(edge_states)
             self.step += 1
             return metrics | {"grad_norm": math.nan, "stepped": 0.0}
         grad_norm = sync_clip_and_step(list(self.placement.layouts), self.modules, self.grad_clip, self.step)

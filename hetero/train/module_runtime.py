@@ -99,5 +99,42 @@ class ModuleRuntime:
                 param.grad.mul_(factor)
 
 
+class TrainerState:
+    """What a multi-module trainer with ``modules`` (name -> ``ModuleRuntime``) and ``edge_ends()`` (this
+    rank's compressed edge ends, each with its compensation state) checkpoints, restores and undoes."""
+
+    modules: dict[str, ModuleRuntime]
+
+    def edge_ends(self) -> dict:
+        raise NotImplementedError
+
+    def checkpoint_modules(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
+        return {name: (module.model, module.optimizer) for name, module in self.modules.items()}
+
+    def local_state(self) -> dict:
+        return {
+            "modules": {name: module.local_state() for name, module in self.modules.items()},
+            "edges": {key: end.state_dict() for key, end in self.edge_ends().items()},
+        }
+
+    def load_local_state(self, state: dict) -> None:
+        for name, module in self.modules.items():
+            module.load_local_state(state["modules"][name])
+        for key, end in self.edge_ends().items():
+            end.load_state_dict(state["edges"][key])
+
+    def reset_local_state(self) -> None:
+        for module in self.modules.values():
+            module.reset_replica_sync()
+
+    def undo_step(self, edge_states: dict) -> None:
+        """A step skipped on every rank: compression state back to ``edge_states`` (taken before the
+        step), gradients dropped, so weights, optimizers and edges stay as they were."""
+        for key, end in self.edge_ends().items():
+            end.load_state_dict(edge_states[key])
+        for module in self.modules.values():
+            module.optimizer.zero_grad(set_to_none=True)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

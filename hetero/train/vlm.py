@@ -34,7 +34,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -56,12 +55,12 @@ from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.pipeline import PipelineStage, run_pipeline
 from hetero.parallel.placement import Placement
-from hetero.train.module_runtime import ModuleRuntime, ModuleSetup, local_tensor
+from hetero.train.module_runtime import ModuleRuntime, TrainerState, ModuleSetup, local_tensor
 from hetero.train.stage_links import CallableStage, llm_stage_edges, stage_links
 from hetero.train.world_step import nonfinite_modules, sync_clip_and_step
 
 
-class VLMTrainer:
+class VLMTrainer(TrainerState):
     def __init__(
         self,
         placement: Placement,
@@ -194,11 +193,8 @@ class VLMTrainer:
         if not update:
             return {"loss": self._world_loss(losses)} | extra | self._world_accuracy(hits)
         self.nonfinite = self._nonfinite_ranks(losses)
-        if self.nonfinite:  # skipped on every rank: weights, optimizers and compression state stay as they were
-            for key, end in self.edge_ends().items():
-                end.load_state_dict(edge_states[key])
-            for module in self.modules.values():
-                module.optimizer.zero_grad(set_to_none=True)
+        if self.nonfinite:
+            self.undo_step(edge_states)
             self.step += 1
             return {"loss": self._world_loss(losses), "grad_norm": math.nan, "stepped": 0.0} | extra
         grad_norm = sync_clip_and_step(list(self.placement.layouts), self.modules, self.grad_clip, self.step)
@@ -213,25 +209,6 @@ class VLMTrainer:
             ends["vision->llm.upstream"] = self.compressed_boundary.upstream
             ends["vision->llm.downstream"] = self.compressed_boundary.downstream
         return ends
-
-    def checkpoint_modules(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
-        return {name: (module.model, module.optimizer) for name, module in self.modules.items()}
-
-    def local_state(self) -> dict:
-        return {
-            "modules": {name: module.local_state() for name, module in self.modules.items()},
-            "edges": {key: end.state_dict() for key, end in self.edge_ends().items()},
-        }
-
-    def load_local_state(self, state: dict) -> None:
-        for name, module in self.modules.items():
-            module.load_local_state(state["modules"][name])
-        for key, end in self.edge_ends().items():
-            end.load_state_dict(state["edges"][key])
-
-    def reset_local_state(self) -> None:
-        for module in self.modules.values():
-            module.reset_replica_sync()
 
     def _nonfinite_ranks(self, losses: list[torch.Tensor]) -> dict[str, list[int]]:
         bad_loss = any(not bool(torch.isfinite(local_tensor(loss)).all()) for loss in losses)

@@ -235,7 +235,7 @@ class GraphTrainer(TrainerState):
 
         outputs = {name: [self._encode(name, batch, m) for m in range(len(spans))]
                    for name in ENCODERS if name in self.modules}
-        delivered = {name: self._send_embeddings(name, outputs.get(name), micro) for name in ENCODERS}
+        delivered = {name: self._send_embeddings(name, outputs.get(name)) for name in ENCODERS}
         llm = self.modules.get("llm")
         parallel_loss = loss_parallel() if self.placement.layouts["llm"].tp > 1 else contextlib.nullcontext()
         with parallel_loss:
@@ -248,7 +248,7 @@ class GraphTrainer(TrainerState):
                     for direction, sent in getattr(link, "sent_bytes", {}).items():
                         self.pipeline_bytes[direction] += sent
         for name in ENCODERS:
-            self._return_embedding_grads(name, outputs.get(name), delivered[name], micro)
+            self._return_embedding_grads(name, outputs.get(name))
         for module in self.modules.values():  # a rank that saw no rows of its modality still syncs
             for param in module.model.parameters():
                 if param.grad is None:
@@ -322,7 +322,7 @@ class GraphTrainer(TrainerState):
                 self._sums["dna"].append(total.detach())
             return padded_tokens(output, self.configs.dna), total * (self.weights["dna"] / self._counts["dna"])
 
-    def _send_embeddings(self, name: str, outputs: list | None, micro: int) -> list[torch.Tensor | None]:
+    def _send_embeddings(self, name: str, outputs: list | None) -> list[torch.Tensor | None]:
         edge = self.edges[f"{name}->llm"]
         tokens, width = self.configs.embedding_shape(name)
         delivered = []
@@ -442,7 +442,7 @@ class GraphTrainer(TrainerState):
             return DTensor.from_local(value, reference.device_mesh, reference.placements)
         return value
 
-    def _return_embedding_grads(self, name: str, outputs: list | None, delivered: list, micro: int) -> None:
+    def _return_embedding_grads(self, name: str, outputs: list | None) -> None:
         """Route encoder ``name``'s embedding gradients back from the LLM's first stage and run the
         encoder's backward (with its own loss)."""
         edge = self.edges[f"{name}->llm"]

@@ -253,7 +253,8 @@ def vlm_emulation(config: EdgeCompressionConfig, steps: int) -> tuple[list[float
     boundary, stages = edge_ends(config), edge_ends(config)
     model.vision.register_forward_hook(lambda module, args, out: EdgeFunction.apply(out, *boundary, 0))
     model.llm.layers["0"].register_forward_hook(lambda module, args, out: EdgeFunction.apply(out, *stages, 0))
-    return reference(BATCH, model, vlm_batches(steps), lambda step: begin(boundary + stages, [torch.arange(BATCH)], step))
+    record = reference(BATCH, model, vlm_batches(steps), lambda step: begin(boundary + stages, [torch.arange(BATCH)], step))
+    return [losses[0] for losses in record.losses], record.grads
 
 
 def test_compressed_graph_pipeline_matches_one_process_emulation():

@@ -79,6 +79,13 @@ class VideoConfig:
             module, layout, "the video generator", size_field="frame_size", size=self.frame_size,
             patch_size=self.patch_size, hidden_size=self.hidden_size, num_heads=self.num_heads,
         )
+        if options is not None and options.fsdp:
+            # FSDP2 unshards a module's parameters in hooks around forward(); the objectives also call
+            # frame_summary and the embeddings directly, which would meet sharded parameters.
+            errors.append(
+                f"{module}.parallel.fsdp=true: the video generator's objectives call its embeddings outside "
+                f"forward(), where FSDP2 has not gathered its parameters; set fsdp=false (dp replicates it)"
+            )
         return errors + transformer_layout_errors(
             module, layout, num_heads=self.num_heads, num_kv_heads=self.num_heads, hidden_size=self.hidden_size,
             ffn_hidden_size=self.ffn_size, num_layers=self.num_layers, seq_len=self.patches_per_frame,

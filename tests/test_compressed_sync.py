@@ -10,6 +10,7 @@ from compression_oracle import owner_zeros, powersgd_sum, quant_sum, topk_sum
 from hetero.parallel.compression.build import build_grad_sync
 from hetero.parallel.compression.collective import GroupCollective
 from hetero.parallel.compression.config import CompressorConfig
+from hetero.parallel.compression.powersgd import initial_q
 from hetero.testing.multiprocess import run_ranks
 
 STEPS = 4
@@ -105,14 +106,22 @@ def test_randomk_sends_the_same_entries_from_every_replica():
     assert results[0][1] == STEPS * round(0.1 * 3120) * 4  # 2(n-1)/n = 1 at n = 2
 
 
+def test_powersgd_starts_every_matrix_from_its_own_q():
+    """Names whose characters sum alike (an anagram's digits and letters) still get different starts."""
+    a, b = "layers.0.attention.wq.weight", "layers.2.attention.wo.weight"
+    assert sum(map(ord, a)) == sum(map(ord, b))
+    assert not torch.equal(initial_q(a, 16, 2, 0), initial_q(b, 16, 2, 0))
+    assert torch.equal(initial_q(a, 16, 2, 0), initial_q(a, 16, 2, 0))  # every replica draws the same
+    assert not torch.equal(initial_q(a, 16, 2, 0), initial_q(a, 16, 2, 1))
+
+
 def test_powersgd_matches_the_oracle_with_warm_start_and_error_feedback():
     config = CompressorConfig(method="powersgd", rank=2)
     results = run_ranks(sync_steps, 2, config, timeout_s=120)
     residuals = {n: [torch.zeros(SHAPES[n]) for _ in range(2)] for n in ("w1", "w2")}
     qs = {}
     for n in ("w1", "w2"):
-        gen = torch.Generator().manual_seed(5 + sum(map(ord, n)))
-        qs[n] = [torch.randn(SHAPES[n][1], 2, generator=gen)]
+        qs[n] = [initial_q(n, SHAPES[n][1], 2, 5)]
     for step in range(STEPS):
         grads = [replica_grads(r, step) for r in range(2)]
         expected = {n: powersgd_sum([g[n] for g in grads], residuals[n], qs[n], 2) for n in ("w1", "w2")}

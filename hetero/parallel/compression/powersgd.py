@@ -13,6 +13,7 @@ for the sum, so each replica's share of it is one n-th.
 
 from __future__ import annotations
 
+import zlib
 from typing import Iterable
 
 import torch
@@ -64,8 +65,7 @@ class PowerSGDGradSync:
             if self.feedback == "ef" and name in self.residual:
                 m[name] += self.residual[name]
             if name not in self.q:
-                generator = torch.Generator().manual_seed(self.seed + sum(map(ord, name)))
-                self.q[name] = torch.randn(m[name].shape[1], self.rank, generator=generator).to(g.device)
+                self.q[name] = initial_q(name, m[name].shape[1], self.rank, self.seed).to(g.device)
         ps = [m[n] @ self.q[n] for n in matrices]
         flat = torch.cat([p.reshape(-1) for p in ps])
         self.comm.all_reduce(flat)
@@ -93,6 +93,12 @@ class PowerSGDGradSync:
         self.residual = {n: t.clone() for n, t in state["residual"].items()}
         self.q = {n: t.clone() for n, t in state["q"].items()}
 
+
+def initial_q(name: str, columns: int, rank: int, seed: int) -> torch.Tensor:
+    """The warm start's first ``Q`` (columns × rank) of parameter ``name``: the same on every replica, and
+    different for every name (a hash of the name, not a sum of its characters, which anagrams share)."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    return torch.randn(columns, rank, generator=generator)
 
 
 def _copy_pieces(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:

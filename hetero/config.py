@@ -10,7 +10,7 @@ An experiment YAML names its modules at the top level, so Hydra overrides read n
     edges:  [{src: vision, dst: llm}]
 
 Every top-level key that is not a field of ``ExperimentConfig`` is a module and must carry a ``kind``
-from ``hetero.models.MODEL_CONFIGS``. All checks run before any process group exists.
+from ``hetero.kinds.MODEL_CONFIGS``. All checks run before any process group exists.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hetero.data.multimodal import Presence
 from hetero.errors import ConfigError
-from hetero.models import MODEL_CONFIGS
+from hetero.kinds import MODEL_CONFIGS
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 from hetero.parallel.layout import LayoutSpec

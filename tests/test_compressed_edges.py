@@ -19,8 +19,9 @@ from test_boundary import reference_indices, take
 from test_gpt_parity import full_grads
 from test_vlm_parity import CLIP, LLM, OPTIM, VISION, batches, module_grads, reference
 
-from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
-from hetero.models.multimodal import VisionLanguageModel
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.testing.references import VisionLanguageModel
 from hetero.parallel.boundary import Sharding, Side, TensorSpec
 from hetero.parallel.compressed_boundary import CompressedBoundary
 from hetero.parallel.compression.activation_codecs import build_activation_codec, payload_bytes

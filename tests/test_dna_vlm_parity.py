@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from hetero.data.genome import annotated_genome
-from hetero.models.genezip import GeneZipConfig
-from hetero.models.genezip_objectives import genezip_loss
-from hetero.models.gpt import GPTConfig, token_loss_sum
-from hetero.models.multimodal import IMAGE_TOKEN, VisionDnaLanguageModel
-from hetero.models.vision import ViTConfig
+from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.kinds.genezip.objectives import genezip_loss
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.gpt.model import token_loss_sum
+from hetero.testing.references import IMAGE_TOKEN, VisionDnaLanguageModel
+from hetero.kinds.vit.config import ViTConfig
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions

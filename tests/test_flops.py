@@ -1,16 +1,18 @@
-"""Model FLOPs (hetero.models.flops) against closed forms computed here and against torch's flop counter."""
+"""Model FLOPs (hetero.kinds.flops) against closed forms computed here and against torch's flop counter."""
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetero.models.flops import (
+from hetero.kinds.flops import (
     TRAINING_MULTIPLIER,
     counted_forward_flops,
     gpt_forward_flops_per_token,
     vit_forward_flops_per_image,
 )
-from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
-from hetero.models.vision import VisionEncoder, ViTConfig
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.vit.model import VisionEncoder
+from hetero.kinds.vit.config import ViTConfig
 
 
 def test_gpt_training_flops_match_megatron_closed_form():

@@ -5,16 +5,16 @@ the compressed tokens it hands on."""
 import pytest
 import torch
 
-from hetero.models.genezip import (
+from hetero.kinds.genezip.model import (
     GeneZip,
-    GeneZipConfig,
     Routing,
     bound_boundaries,
     padded_tokens,
     smooth_chunks,
     straight_through,
 )
-from hetero.models.genezip_objectives import genezip_loss, ratio_loss, routing_counts
+from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.kinds.genezip.objectives import genezip_loss, ratio_loss, routing_counts
 
 SMALL = dict(seq_len=96, hidden_size=32, num_heads=4, main_layers=1, local_window=8, routing_window=16)
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from hetero.data.genome import annotated_genome
-from hetero.models.genezip import BoundaryRouter, GeneZip, GeneZipConfig
-from hetero.models.genezip_objectives import genezip_loss
-from hetero.models.genezip_parallelize import parallelize_genezip
+from hetero.kinds.genezip.model import BoundaryRouter, GeneZip
+from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.kinds.genezip.objectives import genezip_loss
+from hetero.kinds.genezip.plan import parallelize_genezip
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.config import GPTConfig
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions

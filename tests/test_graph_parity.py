@@ -10,13 +10,13 @@ import functools
 import pytest
 import torch
 
-from hetero.models.full_graph import FullGraphModel, GraphConfigs, combined_loss
-from hetero.models.genezip import GeneZipConfig
-from hetero.models.gpt import GPTConfig
-from hetero.models.multimodal import IMAGE_TOKEN
-from hetero.models.video import VideoConfig
-from hetero.models.video_memory import MemoryConfig
-from hetero.models.vision import ViTConfig
+from hetero.testing.full_graph import FullGraphModel, GraphConfigs, combined_loss
+from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.testing.references import IMAGE_TOKEN
+from hetero.kinds.video.config import VideoConfig
+from hetero.kinds.video.memory import MemoryConfig
+from hetero.kinds.vit.config import ViTConfig
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions

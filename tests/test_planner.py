@@ -9,7 +9,7 @@ import yaml
 from hetero.cli import main
 from hetero.config import load_experiment, validate
 from hetero.errors import ConfigError
-from hetero.models.gpt import GPTConfig
+from hetero.kinds.gpt.config import GPTConfig
 from hetero.plan.cluster import ClusterSpec, DeviceSpec, LinkSpec, cluster_from_dict, load_cluster
 from hetero.plan.cost import GIB, Choice, CostModel, allreduce_s, describe
 from hetero.plan.report import heterogeneous_gain

@@ -13,18 +13,18 @@ import pytest
 import torch
 
 from hetero.data.video_clips import make_clips
-from hetero.models.video import (
+from hetero.kinds.video.model import (
     FrameCache,
-    VideoConfig,
     VideoGenerator,
     context_schedule,
     patchify,
     training_distances,
     unpatchify,
 )
-from hetero.models.video_memory import FrameMemory, MemoryConfig
-from hetero.models.video_router import ImportanceRouter, ema_importance, sparsity
-from hetero.models.video_objectives import clip_attention, flow_matching_loss, sequence_tokens
+from hetero.kinds.video.config import VideoConfig
+from hetero.kinds.video.memory import FrameMemory, MemoryConfig
+from hetero.kinds.video.router import ImportanceRouter, ema_importance, sparsity
+from hetero.kinds.video.objectives import clip_attention, flow_matching_loss, sequence_tokens
 
 CONFIG = VideoConfig(frame_size=16, patch_size=4, hidden_size=32, num_layers=2, num_heads=4, max_distance=16)
 MEMORIES = {

@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hetero.models.video import VideoConfig, VideoGenerator, patchify
-from hetero.models.video_memory import MemoryConfig
-from hetero.models.video_objectives import clip_attention, sequence_tokens
-from hetero.models.video_parallelize import parallelize_video
-from hetero.models.video_router import ImportanceRouter, sparsity
+from hetero.kinds.video.config import VideoConfig
+from hetero.kinds.video.model import VideoGenerator, patchify
+from hetero.kinds.video.memory import MemoryConfig
+from hetero.kinds.video.objectives import clip_attention, sequence_tokens
+from hetero.kinds.video.plan import parallelize_video
+from hetero.kinds.video.router import ImportanceRouter, sparsity
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions

@@ -10,9 +10,10 @@ them. The reference is a plain loop over ``VisionLanguageModel`` with one global
 import pytest
 import torch
 
-from hetero.models.gpt import GPTConfig, token_loss_sum
-from hetero.models.multimodal import IMAGE_TOKEN, VisionLanguageModel
-from hetero.models.vision import ViTConfig
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.gpt.model import token_loss_sum
+from hetero.testing.references import IMAGE_TOKEN, VisionLanguageModel
+from hetero.kinds.vit.config import ViTConfig
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions

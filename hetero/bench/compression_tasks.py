@@ -24,8 +24,9 @@ from hetero.bench.ddp_powersgd_peer import AllReduceCounter, ddp_with_powersgd
 from hetero.config import load_experiment, validate
 from hetero.data.digits import DigitBatches, dp_rows, ensure_digit_shards
 from hetero.data.text import VOCAB_SIZE, heldout_batches, load_stdlib_corpus, sample_batch
-from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
-from hetero.models.multimodal import VisionLanguageModel
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.testing.references import VisionLanguageModel
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.mesh import build_module_meshes

@@ -27,8 +27,9 @@ from dataclasses import replace
 import torch
 
 from hetero.data.genome import REGIONS, GenomeOptions, GenomeWindows, ensure_genome_shards
-from hetero.models.genezip import GeneZip, GeneZipConfig
-from hetero.models.genezip_objectives import bits_per_base, genezip_loss, heldout_metrics
+from hetero.kinds.genezip.model import GeneZip
+from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.kinds.genezip.objectives import bits_per_base, genezip_loss, heldout_metrics
 
 VARIANTS = ("genezip", "hnet", "fixed")
 

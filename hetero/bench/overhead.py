@@ -15,7 +15,8 @@ import time
 import torch
 
 from hetero.data.text import VOCAB_SIZE, load_stdlib_corpus, sample_batch
-from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.config import GPTConfig
 from hetero.train.lm import LMTrainer
 from hetero.train.optim import OptimizerConfig
 

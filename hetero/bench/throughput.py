@@ -13,7 +13,7 @@ scales the experiment to the launched world size.
 Measured per run, after ``--warmup`` steps: the step time (the slowest rank's time of each step, a
 barrier before each; the median over the ``--steps`` timed steps), tokens/s (global batch × LLM
 sequence length per step time), samples/s, model FLOPs per step per module (Megatron's per-layer
-count from ``hetero.models.flops``: attention included, training = 3 × forward, recomputation not
+count from ``hetero.kinds.flops``: attention included, training = 3 × forward, recomputation not
 counted again; GeneZip's dynamic chunking counted by torch's flop counter on one batch of real
 windows), TFLOPs/s per rank (FLOPs / step time / world size) and MFU against ``--peak-tflops`` (the
 declared per-rank peak; without it MFU is n/a). Bytes per step per communicator (world-summed, as
@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from hetero.config import ExperimentConfig, load_experiment, validate
 from hetero.errors import ConfigError
-from hetero.models.flops import (
+from hetero.kinds.flops import (
     TRAINING_MULTIPLIER,
     counted_forward_flops,
     gpt_forward_flops_per_token,
@@ -131,7 +131,7 @@ def model_flops(experiment: ExperimentConfig, dna_forward_per_sample: float | No
 def dna_forward_flops_per_sample(experiment: ExperimentConfig) -> float:
     """GeneZip's forward FLOPs per window, counted on the first training batch of real windows with the
     trainer's initial weights (dynamic chunking makes the count depend on both)."""
-    from hetero.models.genezip import GeneZip
+    from hetero.kinds.genezip.model import GeneZip
     from hetero.train.run import vlm_batches
 
     windows = vlm_batches(experiment, "train").batch(0)["dna"]

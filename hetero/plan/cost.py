@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hetero.models.flops import TRAINING_MULTIPLIER, gpt_forward_flops_per_token, vit_forward_flops_per_image
-from hetero.models.gpt import GPTConfig
-from hetero.models.vision import ViTConfig
+from hetero.kinds.flops import TRAINING_MULTIPLIER, gpt_forward_flops_per_token, vit_forward_flops_per_image
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.vit.config import ViTConfig
 from hetero.plan.cluster import ClusterSpec, LinkSpec
 
 GIB = 1024**3
@@ -41,7 +41,7 @@ class Transformer:
     head_in: int = 0  # vit: patch dim; the first stage's input GEMM
     out_width: int = 0  # vit: projector width (= what crosses the boundary per output token)
     out_tokens: int = 0  # vit: tokens handed to the LLM per image
-    model_flops_per_sample: float = 0.0  # training FLOPs (MFU convention), from hetero.models.flops
+    model_flops_per_sample: float = 0.0  # training FLOPs (MFU convention), from hetero.kinds.flops
 
     @property
     def head_dim(self) -> int:

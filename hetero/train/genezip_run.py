@@ -20,9 +20,9 @@ import torch.distributed as dist
 from hetero.config import ExperimentConfig
 from hetero.data.digits import dp_slice
 from hetero.data.genome import GenomeOptions, GenomeWindows, ensure_genome_shards, genome_shards
-from hetero.models.genezip import GeneZip
-from hetero.models.genezip_objectives import genezip_loss, heldout_metrics
-from hetero.models.genezip_parallelize import parallelize_genezip
+from hetero.kinds.genezip.model import GeneZip
+from hetero.kinds.genezip.objectives import genezip_loss, heldout_metrics
+from hetero.kinds.genezip.plan import parallelize_genezip
 from hetero.parallel.data import AllReduceGradSync
 from hetero.train.job import Job, SingleModule, run_job
 from hetero.train.optim import build_adamw

@@ -1,5 +1,5 @@
 """Train the four-module graph, each module under its own layout: vision and DNA encoders feed an LLM
-whose final hidden states condition a video generator (``hetero.models.full_graph`` defines the losses
+whose final hidden states condition a video generator (``hetero.testing.full_graph`` defines the losses
 and is the single-process reference).
 
 Every rank runs the same phases in the same order, so edge calls pair up whatever the placement
@@ -43,15 +43,22 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hetero.data.digits import IGNORE_INDEX, dp_rows
 from hetero.errors import ConfigError
-from hetero.models.full_graph import LOSSES, SEED_OFFSETS, GraphConfigs, clip_loss_sum, dna_loss_sum, merge_rows
-from hetero.models.genezip import GeneZip, padded_tokens
-from hetero.models.genezip_parallelize import parallelize_genezip
-from hetero.models.gpt import GPT, token_loss_sum
-from hetero.models.gpt_parallelize import parallelize_gpt
-from hetero.models.video import VideoGenerator
-from hetero.models.video_parallelize import parallelize_video
-from hetero.models.vision import VisionEncoder
-from hetero.models.vision_parallelize import parallelize_vision
+from hetero.testing.full_graph import (
+    LOSSES,
+    SEED_OFFSETS,
+    GraphConfigs,
+    clip_loss_sum,
+    dna_loss_sum,
+    merge_rows,
+)
+from hetero.kinds.genezip.model import GeneZip, padded_tokens
+from hetero.kinds.genezip.plan import parallelize_genezip
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.plan import parallelize_gpt
+from hetero.kinds.video.model import VideoGenerator
+from hetero.kinds.video.plan import parallelize_video
+from hetero.kinds.vit.model import VisionEncoder
+from hetero.kinds.vit.plan import parallelize_vision
 from hetero.parallel.boundary import Boundary, Side, TensorSpec
 from hetero.parallel.boundary_plan import Sharding
 from hetero.parallel.boundary_transport import LinkedTransport

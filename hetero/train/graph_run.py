@@ -24,7 +24,7 @@ from hetero.data.genome import GenomeOptions, ensure_genome_shards, genome_shard
 from hetero.data.multimodal import MultimodalBatches
 from hetero.data.video_clips import ClipOptions, ensure_video_shards
 from hetero.errors import ConfigError
-from hetero.models.full_graph import LOSSES, GraphConfigs
+from hetero.testing.full_graph import LOSSES, GraphConfigs
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.placement import Placement
 from hetero.train.faults import describe_rank

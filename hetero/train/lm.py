@@ -17,8 +17,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hetero.errors import ConfigError
-from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
-from hetero.models.gpt_parallelize import parallelize_gpt
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.gpt.plan import parallelize_gpt
 from hetero.parallel.context import split_for_cp, zigzag_indices
 from hetero.parallel.compression.collective import Collective
 from hetero.parallel.compression.config import CompressionConfig

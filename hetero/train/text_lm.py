@@ -13,7 +13,7 @@ from dataclasses import asdict
 import torch
 
 from hetero.data.text import VOCAB_SIZE, bits_per_byte, heldout_batches, load_stdlib_corpus, sample_batch
-from hetero.models.gpt import GPTConfig
+from hetero.kinds.gpt.config import GPTConfig
 from hetero.train.lm import LMTrainer
 from hetero.train.optim import OptimizerConfig
 

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from hetero.config import ExperimentConfig
 from hetero.data.digits import dp_slice
 from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards
-from hetero.models.video import VideoGenerator
-from hetero.models.video_objectives import distillation_loss, flow_matching_loss, next_frame_errors, to_model
-from hetero.models.video_parallelize import parallelize_video
-from hetero.models.video_router import ImportanceRouter
+from hetero.kinds.video.model import VideoGenerator
+from hetero.kinds.video.objectives import distillation_loss, flow_matching_loss, next_frame_errors, to_model
+from hetero.kinds.video.plan import parallelize_video
+from hetero.kinds.video.router import ImportanceRouter
 from hetero.parallel.data import AllReduceGradSync
 from hetero.train.job import Job, SingleModule, run_job
 from hetero.train.optim import build_adamw

@@ -38,14 +38,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hetero.errors import ConfigError
-from hetero.models.genezip import GeneZip, GeneZipConfig, padded_tokens
-from hetero.models.genezip_objectives import genezip_loss
-from hetero.models.genezip_parallelize import parallelize_genezip
-from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
-from hetero.models.gpt_parallelize import parallelize_gpt
-from hetero.models.multimodal import merge_image_embeddings
-from hetero.models.vision import VisionEncoder, ViTConfig
-from hetero.models.vision_parallelize import parallelize_vision
+from hetero.kinds.genezip.model import GeneZip, padded_tokens
+from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.kinds.genezip.objectives import genezip_loss
+from hetero.kinds.genezip.plan import parallelize_genezip
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.gpt.plan import parallelize_gpt
+from hetero.testing.references import merge_image_embeddings
+from hetero.kinds.vit.model import VisionEncoder
+from hetero.kinds.vit.config import ViTConfig
+from hetero.kinds.vit.plan import parallelize_vision
 from hetero.parallel.boundary import Boundary, Side, TensorSpec
 from hetero.parallel.boundary_plan import Sharding
 from hetero.parallel.boundary_transport import BoundaryReceiver, BoundarySender, LinkedTransport

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hetero.models.gpt import GPT
+from hetero.kinds.gpt.model import GPT
 from hetero.parallel.blocks import wrap_blocks
 from hetero.parallel.context import ContextParallelAttention
 from hetero.parallel.mesh import ModuleMesh

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from hetero.models.vision import VisionEncoder
+from hetero.kinds.vit.model import VisionEncoder
 from hetero.parallel.blocks import attention_mlp_plan, wrap_blocks
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from hetero.data.genome import REGIONS
-from hetero.models.genezip import GeneZip, GeneZipConfig, GeneZipOutput, Routing
+from hetero.kinds.genezip.model import GeneZip, GeneZipOutput, Routing
+from hetero.kinds.genezip.config import GeneZipConfig
 
 
 @dataclass

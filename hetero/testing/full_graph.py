@@ -21,12 +21,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hetero.models.genezip import GeneZip, GeneZipConfig, padded_tokens
-from hetero.models.genezip_objectives import genezip_loss
-from hetero.models.gpt import GPT, GPTConfig, token_loss_sum
-from hetero.models.video import VideoConfig, VideoGenerator
-from hetero.models.video_objectives import flow_matching_loss, to_model
-from hetero.models.vision import VisionEncoder, ViTConfig
+from hetero.kinds.genezip.model import GeneZip, padded_tokens
+from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.kinds.genezip.objectives import genezip_loss
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.video.config import VideoConfig
+from hetero.kinds.video.model import VideoGenerator
+from hetero.kinds.video.objectives import flow_matching_loss, to_model
+from hetero.kinds.vit.model import VisionEncoder
+from hetero.kinds.vit.config import ViTConfig
 
 LOSSES = ("text", "dna", "video")  # the graph's own losses, in this order wherever they are listed
 SEED_OFFSETS = {"vision": 0, "llm": 1, "dna": 2, "video": 3}  # each module's weights from its own seed

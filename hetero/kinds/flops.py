@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetero.models.gpt import GPTConfig
-from hetero.models.vision import ViTConfig
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.vit.config import ViTConfig
 
 TRAINING_MULTIPLIER = 3  # forward + backward (input and weight gradients)
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hetero.models.genezip import GeneZip, GeneZipConfig, GeneZipOutput, padded_tokens
-from hetero.models.gpt import GPT, GPTConfig
-from hetero.models.vision import VisionEncoder, ViTConfig
+from hetero.kinds.genezip.model import GeneZip, GeneZipOutput, padded_tokens
+from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.kinds.gpt.model import GPT
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.vit.model import VisionEncoder
+from hetero.kinds.vit.config import ViTConfig
 
 IMAGE_TOKEN = 0  # byte 0 (NUL) never occurs in captions; it marks the image's places in the sequence
 

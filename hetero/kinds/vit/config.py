@@ -1,0 +1,71 @@
+"""ViTConfig: the sizes of the model and what its layout must divide."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero.kinds.layout_checks import patch_model_errors, shape_errors, transformer_layout_errors
+from hetero.parallel.layout import Layout
+from hetero.parallel.options import ParallelOptions
+
+
+@dataclass
+class ViTConfig:
+    image_size: int = 32
+    patch_size: int = 4
+    channels: int = 1
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_hidden_size: int | None = None
+    feature_layer: int = -1
+    out_size: int = 64
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def seq_len(self) -> int:
+        """Encoder sequence: the patches plus the class token."""
+        return self.num_patches + 1
+
+    def errors(self, module: str, layout: Layout, options: ParallelOptions | None = None) -> list[str]:
+        """Everything about this model that ``layout`` (and ``options``) cannot run; empty when fine."""
+        errors = shape_errors(
+            module,
+            image_size=self.image_size,
+            patch_size=self.patch_size,
+            channels=self.channels,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            out_size=self.out_size,
+        )
+        if errors:
+            return errors
+        errors += patch_model_errors(
+            module, layout, "the vision encoder", size_field="image_size", size=self.image_size,
+            patch_size=self.patch_size, hidden_size=self.hidden_size, num_heads=self.num_heads,
+        )
+        if not -self.num_layers <= self.feature_layer < self.num_layers:
+            errors.append(
+                f"{module}.model.feature_layer={self.feature_layer} is not a layer of a "
+                f"{self.num_layers}-layer encoder; use -{self.num_layers}..{self.num_layers - 1}"
+            )
+        return errors + transformer_layout_errors(
+            module,
+            layout,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_heads,
+            hidden_size=self.hidden_size,
+            ffn_hidden_size=self.ffn_size,
+            num_layers=self.num_layers,
+            seq_len=self.seq_len,
+            sequence_parallel=options is not None and options.sequence_parallel,
+            fsdp=options is not None and options.fsdp,
+        )

@@ -17,23 +17,25 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
 
 
 def _layout(args: argparse.Namespace) -> None:
-    from hetero.config import load_experiment, validate
+    from hetero.config import load_experiment
+    from hetero.graph import build_graph
     from hetero.parallel.rank_map import format_rank_map, rank_map
 
     name, overrides = _split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
-    description = rank_map(experiment, validate(experiment))
+    description = rank_map(experiment, build_graph(experiment).placement)
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
 
 
 def _train(args: argparse.Namespace) -> int:
     import subprocess
 
-    from hetero.config import load_experiment, validate
+    from hetero.config import load_experiment
+    from hetero.graph import build_graph
 
     name, overrides = _split_config_and_overrides(args.config)
     selection = [f"experiment={name}"] if name else []
-    nproc = args.nproc or validate(load_experiment(name, overrides)).world_size
+    nproc = args.nproc or build_graph(load_experiment(name, overrides)).placement.world_size
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         f"--max-restarts={args.max_restarts}", "-m", "hetero.train.run", *selection, *overrides,

@@ -10,15 +10,17 @@ An experiment YAML names its modules at the top level, so Hydra overrides read n
     edges:  [{src: vision, dst: llm}]
 
 Every top-level key that is not a field of ``ExperimentConfig`` is a module and must carry a ``kind``
-from ``hetero.kinds.MODEL_CONFIGS``. All checks run before any process group exists.
+registered in ``hetero.kinds``. ``hetero.graph.build_graph`` checks everything before any process group
+exists.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -27,16 +29,46 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hetero.data.multimodal import Presence
 from hetero.errors import ConfigError
-from hetero.kinds import MODEL_CONFIGS
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.options import ParallelOptions
-from hetero.parallel.placement import Placement, place
-from hetero.train.checkpoint import CheckpointConfig
-from hetero.train.optim import OptimizerConfig
+
+if TYPE_CHECKING:
+    from hetero.kinds.registry import KindRegistry
 
 CONFIG_DIR = Path(os.environ.get("HETERO_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
+
+
+@dataclass
+class OptimizerConfig:
+    """A module's ``optim:`` block: AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps
+    decay_steps: int = 0  # cosine decay to 10% of lr over this many steps after warmup (0: constant)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for 0-based optimizer step ``step``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay_steps <= 0:
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every this many steps, and at the last step (0: never save)
+    keep: int = 2  # complete checkpoints kept; older ones are deleted after each save (0: keep all)
+    async_save: bool = False  # write in a background thread while training goes on
+    resume: str = "auto"  # auto (newest complete checkpoint, if any) | never | a step_* directory
+    dir: str = ""  # "" : <train.run_dir>/<name>/checkpoints
 
 
 @dataclass
@@ -49,6 +81,8 @@ class BatchConfig:
 class EdgeConfig:
     src: str = ""
     dst: str = ""
+    output: str = ""  # which of src's outputs ("": its only one)
+    input: str = ""  # which of dst's inputs ("": its only one)
     compression: EdgeCompressionConfig = field(default_factory=EdgeCompressionConfig)  # its traffic
 
 
@@ -61,7 +95,7 @@ class ModuleConfig:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     micro_batch_size: int | None = None
     compression: CompressionConfig = field(default_factory=CompressionConfig)
-    loss_weight: float = 1.0  # this module's own loss in a graph's combined loss (llm: text; genezip; video)
+    loss_weight: float = 1.0  # this module's own loss in the combined loss (kinds that have one)
 
 
 @dataclass
@@ -72,10 +106,11 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100  # held-out evaluation (0: only at the end)
     eval_batches: int = 0  # held-out batches per evaluation (0: the whole held-out split)
+    dataset: str = "digits"  # the samples (hetero.train.datasets): digits | digits_dna | multimodal | video_clips | genome | stdlib_text
     data_dir: str = "data/digits"  # webdataset shards; written there on first use
     genome_dir: str = "data/genome"  # a DNA module's genome shards, one set per window length under it
-    clip_dir: str = "data/graph_clips"  # the four-module graph's video clips
-    presence: Presence = field(default_factory=Presence)  # the graph's samples: P(image), P(dna), P(clip)
+    clip_dir: str = "data/graph_clips"  # the multimodal samples' video clips
+    presence: Presence = field(default_factory=Presence)  # multimodal samples: P(image), P(dna), P(clip)
     run_dir: str = "outputs"  # each run writes under run_dir/<experiment name>
     wandb: str = "offline"  # offline | disabled: no network is ever needed
     wandb_project: str = "hetero"
@@ -89,6 +124,7 @@ class ExperimentConfig:
     name: str = "experiment"
     world_size: int | None = None
     placement: str = "auto"  # auto | colocated | non_colocated
+    schedule: str = "auto"  # auto (graph_pipeline when no two modules share a rank, else phased) | phased | graph_pipeline
     backend: str = "auto"  # auto (nccl on GPUs, else gloo) | gloo | nccl
     timeout_s: float = 300.0  # every collective and process-group setup fails after this
     seed: int = 0
@@ -97,13 +133,20 @@ class ExperimentConfig:
     edges: list[EdgeConfig] = field(default_factory=list)
     modules: dict[str, ModuleConfig] = field(default_factory=dict)
 
-    def model_config(self, module: str) -> Any:
-        """The module's typed model config (e.g. ``GPTConfig``)."""
+    def model_config(self, module: str, registry: KindRegistry | None = None) -> Any:
+        """The module's typed model config (e.g. ``GPTConfig``), of its kind in ``registry`` (default:
+        ``hetero.kinds.default_registry()``)."""
+        from hetero.kinds import default_registry
+
         spec = self.modules[module]
-        try:
-            return OmegaConf.to_object(
-                OmegaConf.merge(OmegaConf.structured(MODEL_CONFIGS[spec.kind]), spec.model)
+        registry = registry or default_registry()
+        if spec.kind not in registry:
+            raise ConfigError(
+                f"{module}.kind={spec.kind!r} is not a known module kind; use one of {', '.join(registry.names())} "
+                f"(or register yours: hetero.kinds.KindRegistry.register, entry point group hetero.kinds)"
             )
+        try:
+            return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(registry[spec.kind].config), spec.model))
         except OmegaConfBaseException as err:
             raise _field_error(f"{module}.model", err) from None
 
@@ -143,9 +186,11 @@ def _refuse_targets(node: Any, where: str) -> None:
         for key, value in node.items():
             path = f"{where}.{key}" if where else str(key)
             if key == "_target_":
+                from hetero.kinds import default_registry
+
                 raise ConfigError(
                     f"{path}={value!r}: configs cannot name classes to instantiate; a module picks its model "
-                    f"from hetero's registry with kind: one of {', '.join(MODEL_CONFIGS)}"
+                    f"from the registry of module kinds with kind: one of {', '.join(default_registry().names())}"
                 )
             _refuse_targets(value, path)
     elif isinstance(node, list):
@@ -167,7 +212,7 @@ def experiment_from_dict(raw: DictConfig | dict) -> ExperimentConfig:
         if not isinstance(node, dict) or "kind" not in node:
             raise ConfigError(
                 f"top-level key {name!r} is neither an experiment field ({', '.join(_TOP_LEVEL)}) nor "
-                f"a module (a mapping with a kind: {', '.join(MODEL_CONFIGS)}); fix the name or add a kind"
+                f"a module (a mapping with a kind:, e.g. gpt); fix the name or add a kind"
             )
         try:
             module = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModuleConfig), node))
@@ -212,116 +257,3 @@ def load_experiment(name_or_path: str = "", overrides: list[str] | tuple[str, ..
             raise ConfigError(f"{name_or_path}: {_one_line(err)}") from None
         raise
     return experiment_from_dict(raw)
-
-
-def _taken_width(model_config: Any) -> tuple[str, int]:
-    """The field and width of what a module takes from an edge: a generator's conditioning hidden
-    states (``condition_size``), else its hidden size."""
-    if hasattr(model_config, "condition_size"):
-        return "condition_size", int(model_config.condition_size)
-    return "hidden_size", int(model_config.hidden_size)
-
-
-def _hidden_size(model_config: Any, output: bool = False) -> int:
-    """The last dim of what a module passes between its stages (or, ``output``, on to the next module)."""
-    if output and getattr(model_config, "out_size", 0):
-        return int(model_config.out_size)
-    return int(model_config.hidden_size)
-
-
-def validate(experiment: ExperimentConfig) -> Placement:
-    """Check everything that can be checked before processes start; return the placement."""
-    for name, module in experiment.modules.items():
-        if module.kind not in MODEL_CONFIGS:
-            raise ConfigError(
-                f"{name}.kind={module.kind!r} is not a known module kind; use one of "
-                f"{', '.join(MODEL_CONFIGS)}"
-            )
-    for i, edge in enumerate(experiment.edges):
-        for end in ("src", "dst"):
-            if getattr(edge, end) not in experiment.modules:
-                raise ConfigError(
-                    f"edges[{i}].{end}={getattr(edge, end)!r} names no module; modules are "
-                    f"{', '.join(experiment.modules) or 'none'}"
-                )
-        if edge.src == edge.dst:
-            raise ConfigError(f"edges[{i}] connects {edge.src} to itself; an edge joins two modules")
-    if experiment.backend not in ("auto", "gloo", "nccl"):
-        raise ConfigError(f"backend={experiment.backend!r} is not one of auto, gloo, nccl")
-    if experiment.timeout_s <= 0:
-        raise ConfigError(f"timeout_s={experiment.timeout_s} must be > 0")
-
-    placement = place(
-        {name: module.layout for name, module in experiment.modules.items()},
-        experiment.world_size,
-        experiment.placement,
-    )
-
-    errors: list[str] = []
-    for name, module in experiment.modules.items():
-        errors += experiment.model_config(name).errors(name, placement.layouts[name], module.parallel)
-        errors += module.parallel.errors(name)
-        errors += module.compression.errors(name, placement.layouts[name].cp, module.parallel.fsdp)
-    batch = experiment.batch
-    if batch.global_batch_size < 1 or batch.micro_batch_size < 1:
-        errors.append(
-            f"batch.global_batch_size={batch.global_batch_size} and batch.micro_batch_size="
-            f"{batch.micro_batch_size} must be >= 1"
-        )
-    else:
-        for name, layout in placement.layouts.items():
-            mbs = experiment.micro_batch_size(name)
-            if mbs < 1:
-                errors.append(f"{name}.micro_batch_size={mbs} must be >= 1")
-            elif batch.global_batch_size % (layout.dp * mbs):
-                errors.append(
-                    f"batch.global_batch_size={batch.global_batch_size} is not divisible by {name}'s "
-                    f"dp*micro_batch_size = {layout.dp}*{mbs} = {layout.dp * mbs}; use a global batch "
-                    f"that is a multiple of {layout.dp * mbs}"
-                )
-        if not errors:
-            counts = {n: experiment.num_microbatches(n, l.dp) for n, l in placement.layouts.items()}
-            if len(set(counts.values())) > 1:
-                listed = ", ".join(
-                    f"{n}: {batch.global_batch_size}/({placement.layouts[n].dp}*{experiment.micro_batch_size(n)})"
-                    f" = {c}" for n, c in counts.items()
-                )
-                errors.append(
-                    f"modules split the global batch into different numbers of microbatches ({listed}); "
-                    f"set each module's micro_batch_size so that global_batch_size/(dp*micro_batch_size) agree"
-                )
-    reuse = experiment.train.sample_reuse
-    if reuse < 1:
-        errors.append(f"train.sample_reuse={reuse} must be >= 1 (1: a fresh batch every step)")
-    for name, module in experiment.modules.items():
-        errors += module.compression.pipeline.errors(
-            f"{name}.compression.pipeline", reuse, _hidden_size(experiment.model_config(name))
-        )
-    for i, edge in enumerate(experiment.edges):
-        sent = _hidden_size(experiment.model_config(edge.src), output=True)
-        taken_field, taken = _taken_width(experiment.model_config(edge.dst))
-        if sent != taken:
-            fix = (f"set {edge.dst}.model.{taken_field}={sent}" if taken_field == "condition_size"
-                   else f"set {edge.src}.model.out_size={taken}")
-            errors.append(
-                f"edges[{i}] ({edge.src} -> {edge.dst}): {edge.src} hands on width {sent} but "
-                f"{edge.dst}.model.{taken_field}={taken}; {fix}"
-            )
-        errors += edge.compression.errors(
-            f"edges[{i}].compression", reuse, _hidden_size(experiment.model_config(edge.src), output=True)
-        )
-    if experiment.train.wandb not in ("offline", "disabled"):
-        errors.append(f"train.wandb={experiment.train.wandb!r} is not one of offline, disabled")
-    if experiment.train.steps < 1:
-        errors.append(f"train.steps={experiment.train.steps} must be >= 1")
-    for key, allowed in (("nonfinite", ("skip", "stop")), ("bad_shards", ("error", "skip"))):
-        if getattr(experiment.train, key) not in allowed:
-            errors.append(f"train.{key}={getattr(experiment.train, key)!r} is not one of {', '.join(allowed)}")
-    checkpoint = experiment.train.checkpoint
-    if checkpoint.every < 0 or checkpoint.keep < 0:
-        errors.append(
-            f"train.checkpoint.every={checkpoint.every} and train.checkpoint.keep={checkpoint.keep} must be >= 0"
-        )
-    if errors:
-        raise ConfigError("\n".join(errors))
-    return placement

@@ -7,7 +7,8 @@ Everything is fp32 on CPU with fixed seeds; no process group is created.
 import pytest
 import torch
 
-from hetero.config import load_experiment, validate
+from hetero.config import load_experiment
+from hetero.graph import build_graph
 from hetero.errors import ConfigError
 from hetero.parallel.compression.activation_codecs import BlockQuant, build_activation_codec, payload_bytes
 from hetero.parallel.compression.edge import EdgeEnd
@@ -323,7 +324,7 @@ def test_identity_edge_passes_tensors_through():
 
 def test_compressed_edges_config_is_valid():
     experiment = load_experiment("compressed_edges_vlm")
-    validate(experiment)
+    build_graph(experiment).placement
     assert experiment.modules["llm"].compression.pipeline.forward.method == "int2"
     assert experiment.edges[0].compression.compensation == "lazy"
 
@@ -352,7 +353,7 @@ def test_compressed_edges_config_is_valid():
 def test_compression_config_errors(overrides, message):
     experiment = load_experiment("compressed_edges_vlm", overrides)
     with pytest.raises(ConfigError, match=message):
-        validate(experiment)
+        build_graph(experiment).placement
 
 
 def test_no_compensation_needs_no_sample_reuse():
@@ -366,7 +367,7 @@ def test_no_compensation_needs_no_sample_reuse():
             "edges.0.compression.refresh.method=none",
         ],
     )
-    validate(experiment)
+    build_graph(experiment).placement
     assert experiment.edges[0].compression.compensation == "none"
 
 

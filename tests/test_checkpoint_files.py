@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hetero.config import load_experiment, validate
+from hetero.config import load_experiment
+from hetero.graph import build_graph
 from hetero.errors import ConfigError
 from hetero.train.checkpoint import (
     CheckpointConfig,
@@ -34,7 +35,7 @@ from hetero.train.job import run_identity
 
 def identity(*overrides):
     experiment = load_experiment("colocated_vlm", list(overrides))
-    return run_identity(experiment, validate(experiment))
+    return run_identity(experiment, build_graph(experiment))
 
 
 def write_checkpoint(root, step, keep=2, ident=None):

@@ -70,7 +70,8 @@ def test_resume_under_new_layouts_reshards_and_matches(tmp_path):
     out = hetero_train(tmp_path, "straight", "colocated_vlm", *before, "train.wandb=offline")
     assert "--nproc_per_node=4" in out
     assert "boundary.vision->llm.forward=" in out and "grad_sync.vision=" in out and "pipeline.llm.forward=" in out
-    assert "step     8 | held-out digit accuracy" in out and "summary: steps 8" in out
+    assert "step     8 | held-out loss" in out and "llm: loss" in out and "digit accuracy" in out
+    assert "summary: steps 8" in out
     runs = list((tmp_path / "straight" / "colocated_vlm" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))  # the offline run's log file
     assert (tmp_path / "digits" / "manifest.json").is_file()  # shards written on first use

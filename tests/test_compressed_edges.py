@@ -1,7 +1,7 @@
 """Compressed pipeline and boundary edges on real gloo ranks.
 
 - The identity codec gives results bitwise equal to the uncompressed path (LM pp2; VLM graph pipeline and
-  phased schedule).
+  phased schedule), through the runtime.
 - Integer payloads (int2/int4 codes with bf16 scales, top-k values and indices) cross boundaries between
   different layouts: every destination shard equals the single-process decode of the whole tensor, sliced
   by the test's own indexing, and so does every source rank's gradient.
@@ -11,13 +11,12 @@
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import pytest
 import torch
-from test_boundary import reference_indices, take
-from test_gpt_parity import full_grads
-from test_vlm_parity import CLIP, LLM, OPTIM, VISION, batches, module_grads, reference
+from boundary_oracle import reference_indices, take
+from test_vlm_parity import CLIP, LLM, OPTIM, VISION, batches, reference
 
 from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.kinds.gpt.config import GPTConfig
@@ -28,14 +27,15 @@ from hetero.parallel.compression.activation_codecs import build_activation_codec
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.edge import EdgeEnd
 from hetero.parallel.compression.edge_config import ActivationCodecConfig, EdgeCompressionConfig
-from hetero.parallel.layout import Layout, LayoutSpec
-from hetero.parallel.mesh import build_module_meshes
-from hetero.parallel.options import ParallelOptions
-from hetero.parallel.placement import place
+from hetero.config import CheckpointConfig, OptimizerConfig
+from hetero.graph import build_graph
+from hetero.parallel.layout import Layout
+from hetero.runtime import build_runtime
+from hetero.runtime.module import build_adamw
+from hetero.testing.experiments import experiment, module, module_grads
 from hetero.testing.multiprocess import run_ranks
-from hetero.train.lm import LMTrainer
-from hetero.train.optim import OptimizerConfig, build_adamw
-from hetero.train.vlm import ModuleSetup, VLMTrainer
+from hetero.train.checkpoint import Checkpointer
+from hetero.train.job import run_identity
 
 GPT_CONFIG = GPTConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, seq_len=16)
 BATCH, MICRO, STEPS, REUSE, SEED = 8, 2, 6, 2, 3
@@ -50,28 +50,32 @@ def edge(forward: str, backward: str, compensation: str = "lazy", refresh: str =
     )
 
 
-def lm_batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def lm_batches(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
     """A fresh batch every ``REUSE`` steps (lazy sampling), the same one in between."""
     gen = torch.Generator().manual_seed(5)
     out = []
     for step in range(steps):
         if step % REUSE == 0:
             tokens = torch.randint(0, GPT_CONFIG.vocab_size, (BATCH, GPT_CONFIG.seq_len + 1), generator=gen)
-        out.append((tokens[:, :-1], tokens[:, 1:]))
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
     return out
 
 
+def lm_config(edge_config: EdgeCompressionConfig | None):
+    compression = CompressionConfig(pipeline=edge_config) if edge_config is not None else CompressionConfig()
+    blocks = {"llm": module("gpt", GPT_CONFIG, {"pp": 2}, OPTIM_LM, compression=compression)}
+    return experiment(2, blocks, global_batch=BATCH, microbatches=BATCH // MICRO, seed=SEED,
+                      train={"sample_reuse": REUSE})
+
+
 def train_lm(rank: int, world_size: int, edge_config: EdgeCompressionConfig | None) -> tuple[list[float], dict, dict]:
-    mesh = build_module_meshes(place({"llm": LayoutSpec(pp=2)}, world_size))["llm"]
-    compression = CompressionConfig(pipeline=edge_config) if edge_config is not None else None
-    trainer = LMTrainer(GPT_CONFIG, mesh, micro_batch_size=MICRO, optimizer=OPTIM_LM, compression=compression,
-                        seed=SEED, sample_reuse=REUSE)
+    runtime = build_runtime(lm_config(edge_config))
     losses, grads = [], {}
-    for step, (tokens, labels) in enumerate(lm_batches()):
-        losses.append(trainer.train_step(tokens, labels))
+    for step, batch in enumerate(lm_batches()):
+        losses.append(runtime.train_step(batch)["loss"])
         if step == 0:
-            grads = full_grads(trainer.model)
-    return losses, grads, trainer.pipeline_bytes
+            grads = {k.removeprefix("llm."): v for k, v in module_grads(runtime).items()}
+    return losses, grads, runtime.links["llm"].sent_bytes
 
 
 def lm_identity_versus_plain(rank: int, world_size: int) -> tuple[bool, bool]:
@@ -127,7 +131,8 @@ def lm_emulation(edge_config: EdgeCompressionConfig) -> tuple[list[float], dict]
     current = {}
     model.layers["0"].register_forward_hook(lambda module, args, out: EdgeFunction.apply(out, *ends, current["mb"]))
     losses, grads = [], {}
-    for step, (tokens, labels) in enumerate(lm_batches()):
+    for step, batch in enumerate(lm_batches()):
+        tokens, labels = batch["tokens"], batch["labels"]
         begin(ends, list(torch.arange(BATCH).split(MICRO)), step)
         optimizer.zero_grad()
         total = 0.0
@@ -181,21 +186,18 @@ def test_compressed_pipeline_matches_one_process_emulation(forward, backward, co
 
 
 def train_lm_with_resume(rank: int, world_size: int, edge_config: EdgeCompressionConfig, directory: str) -> list[float]:
-    """Save after step 3 (inside a lazy reuse window), resume in a fresh trainer, train on."""
-    mesh = build_module_meshes(place({"llm": LayoutSpec(pp=2)}, world_size))["llm"]
-
-    def new_trainer() -> LMTrainer:
-        return LMTrainer(GPT_CONFIG, mesh, micro_batch_size=MICRO, optimizer=OPTIM_LM,
-                         compression=CompressionConfig(pipeline=edge_config), seed=SEED, sample_reuse=REUSE)
-
+    """Save after step 3 (inside a lazy reuse window: the compensation state crosses the checkpoint),
+    resume in a fresh runtime, train on."""
+    config = lm_config(edge_config)
+    checkpoints = Checkpointer(CheckpointConfig(every=1), Path(directory), run_identity(config, build_graph(config)))
     data, cut = lm_batches(), 3
-    first = new_trainer()
-    losses = [first.train_step(*batch) for batch in data[:cut]]
-    path = os.path.join(directory, f"rank{rank}.pt")
-    torch.save(first.state_dict(), path)
-    second = new_trainer()
-    second.load_state_dict(torch.load(path, weights_only=False))
-    return losses + [second.train_step(*batch) for batch in data[cut:]]
+    first = build_runtime(config)
+    losses = [first.train_step(batch)["loss"] for batch in data[:cut]]
+    checkpoints.save(first, cut)
+    checkpoints.close()
+    second = build_runtime(config)
+    checkpoints.load(second, Path(directory) / f"step_{cut:06d}", same_local=True)
+    return losses + [second.train_step(batch)["loss"] for batch in data[cut:]]
 
 
 def test_resumed_compressed_pipeline_continues_bitwise(tmp_path):
@@ -209,17 +211,17 @@ def test_resumed_compressed_pipeline_continues_bitwise(tmp_path):
 
 
 def vlm_train(rank, world_size, layouts, microbatches, config: EdgeCompressionConfig | None, steps: int):
-    placement = place({name: LayoutSpec(**spec) for name, spec in layouts.items()}, world_size)
-    setups = {name: ModuleSetup(ParallelOptions(), OPTIM[name]) for name in OPTIM}
-    if config is not None:
-        setups["llm"].compression = CompressionConfig(pipeline=config)
-    trainer = VLMTrainer(placement, build_module_meshes(placement), VISION, LLM, num_microbatches=microbatches,
-                         setups=setups, grad_clip=CLIP, seed=0, boundary_compression=config, sample_reuse=REUSE)
+    pipeline = {"compression": CompressionConfig(pipeline=config)} if config is not None else {}
+    modules = {"vision": module("vit", VISION, layouts["vision"], OPTIM["vision"]),
+               "llm": module("gpt", LLM, layouts["llm"], OPTIM["llm"], **pipeline)}
+    edges = [{"src": "vision", "dst": "llm"} | ({"compression": config} if config is not None else {})]
+    runtime = build_runtime(experiment(world_size, modules, edges=edges, global_batch=BATCH, microbatches=microbatches,
+                                       grad_clip=CLIP, train={"sample_reuse": REUSE}))
     losses, grads = [], {}
     for step, batch in enumerate(vlm_batches(steps)):
-        losses.append(trainer.train_step(batch)["loss"])
+        losses.append(runtime.train_step(batch)["loss"])
         if step == 0:
-            grads = module_grads(trainer)
+            grads = module_grads(runtime)
     return losses, grads
 
 

@@ -1,8 +1,9 @@
-"""The LLM trainer with compressed DP sync or DiLoCo on 2 gloo ranks matches a single-process oracle that
-holds both replicas and applies the compression by hand; a resumed run continues exactly."""
+"""A GPT through the runtime with compressed DP sync or DiLoCo on 2 gloo ranks matches a single-process
+oracle that holds both replicas and applies the compression by hand; a run resumed from a checkpoint
+continues exactly."""
 
 import copy
-import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +13,13 @@ from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
 from hetero.parallel.compression.diloco import _split_evenly
-from hetero.parallel.layout import LayoutSpec
-from hetero.parallel.mesh import build_module_meshes
-from hetero.parallel.placement import place
+from hetero.config import CheckpointConfig, OptimizerConfig
+from hetero.graph import build_graph
+from hetero.runtime import build_runtime
+from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
-from hetero.train.lm import LMTrainer
-from hetero.train.optim import OptimizerConfig
+from hetero.train.checkpoint import Checkpointer
+from hetero.train.job import run_identity
 
 CONFIG = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, seq_len=16)
 BATCH, MICRO, LR, SEED = 8, 2, 1e-2, 7
@@ -33,34 +35,53 @@ def batches(steps):
     return out
 
 
-def trainer(rank, world_size, compression):
-    mesh = build_module_meshes(place({"llm": LayoutSpec(dp=world_size)}, world_size))["llm"]
-    return LMTrainer(CONFIG, mesh, micro_batch_size=MICRO, optimizer=OPTIM, compression=compression, seed=SEED)
+def lm(world_size, compression, layout=None):
+    """The runtime of one GPT over ``layout`` (default: dp over every rank)."""
+    blocks = {"llm": module("gpt", CONFIG, layout or {"dp": world_size}, OPTIM, compression=compression)}
+    return build_runtime(experiment(world_size, blocks, global_batch=BATCH, microbatches=BATCH // (MICRO * world_size),
+                                    seed=SEED))
+
+
+def step(runtime, batch) -> float:
+    tokens, labels = batch
+    return runtime.train_step({"tokens": tokens, "labels": labels})["loss"]
+
+
+def weights(runtime) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in runtime.modules["llm"].model.named_parameters()}
 
 
 def train(rank, world_size, compression, steps):
-    t = trainer(rank, world_size, compression)
-    losses = [t.train_step(x, y) for x, y in batches(steps)]
-    return losses, {n: p.detach().clone() for n, p in t.model.named_parameters()}, t.replica_sync.bytes_sent
+    runtime = lm(world_size, compression)
+    losses = [step(runtime, b) for b in batches(steps)]
+    return losses, weights(runtime), runtime.modules["llm"].replica_sync.bytes_sent
 
 
 def train_with_resume(rank, world_size, compression, steps, directory):
-    first = trainer(rank, world_size, compression)
+    """Half the steps, a checkpoint (``Checkpointer``: DCP weights and optimizer, rank-local compression
+    state), a fresh runtime loading it, the other half."""
+    config = experiment(world_size, {"llm": module("gpt", CONFIG, {"dp": world_size}, OPTIM, compression=compression)},
+                        global_batch=BATCH, microbatches=BATCH // (MICRO * world_size), seed=SEED)
+    checkpoints = Checkpointer(CheckpointConfig(every=1), Path(directory), run_identity(config, build_graph(config)))
+    first = lm(world_size, compression)
     data = batches(steps)
-    losses = [first.train_step(x, y) for x, y in data[: steps // 2]]
-    path = os.path.join(directory, f"rank{rank}.pt")
-    torch.save(first.state_dict(), path + ".tmp")
-    os.replace(path + ".tmp", path)
+    losses = [step(first, b) for b in data[: steps // 2]]
+    checkpoints.save(first, steps // 2)
+    checkpoints.close()
     del first
-    second = trainer(rank, world_size, compression)
-    second.load_state_dict(torch.load(path, weights_only=False))
-    losses += [second.train_step(x, y) for x, y in data[steps // 2 :]]
-    return losses, {n: p.detach().clone() for n, p in second.model.named_parameters()}
+    second = lm(world_size, compression)
+    assert checkpoints.load(second, Path(directory) / f"step_{steps // 2:06d}", same_local=True) == steps // 2
+    losses += [step(second, b) for b in data[steps // 2 :]]
+    return losses, weights(second)
 
 
 def rows(tokens, replica, replicas=2):
-    per = tokens.shape[0] // replicas
-    return tokens[replica * per : (replica + 1) * per]
+    """Replica ``replica``'s rows, as the runtime deals them: its ``MICRO`` rows of each global microbatch
+    (``replicas`` × ``MICRO`` rows), microbatch after microbatch."""
+    micro = MICRO * replicas
+    return torch.cat([tokens[start + replica * MICRO : start + (replica + 1) * MICRO]
+                      for start in range(0, tokens.shape[0], micro)])
 
 
 def replica_grads(model, tokens, labels, replica, normalizer):
@@ -208,12 +229,13 @@ def straight_and_resumed(rank, world_size, compression, steps, tmp):
 
 
 def train_on_layout(rank, world_size, layout, compression, steps):
-    mesh = build_module_meshes(place({"llm": LayoutSpec(**layout)}, world_size))["llm"]
-    t = LMTrainer(CONFIG, mesh, micro_batch_size=MICRO, optimizer=OPTIM, compression=compression, seed=SEED)
-    losses = [t.train_step(x, y) for x, y in batches(steps)]
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-              for n, p in t.model.named_parameters()}
-    return losses, params
+    runtime = lm(layout.get("dp", 1), compression, layout) if world_size == layout.get("dp", 1) else None
+    if runtime is None:  # dp replicas of tp groups: the microbatch count follows dp
+        blocks = {"llm": module("gpt", CONFIG, layout, OPTIM, compression=compression)}
+        runtime = build_runtime(experiment(world_size, blocks, global_batch=BATCH,
+                                           microbatches=BATCH // (MICRO * layout["dp"]), seed=SEED))
+    losses = [step(runtime, b) for b in batches(steps)]
+    return losses, weights(runtime)
 
 
 def test_diloco_on_tensor_parallel_replicas_matches_plain_replicas():

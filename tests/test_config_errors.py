@@ -8,7 +8,8 @@ import copy
 import pytest
 import yaml
 
-from hetero.config import experiment_from_dict, load_experiment, validate
+from hetero.config import experiment_from_dict, load_experiment
+from hetero.graph import build_graph
 from hetero.errors import ConfigError
 from hetero.parallel.mesh import init_distributed
 
@@ -38,7 +39,7 @@ def compose(tmp_path, change=None, overrides=()):
     path = tmp_path / "case.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     experiment = load_experiment(str(path), list(overrides))
-    return experiment, validate(experiment)
+    return experiment, build_graph(experiment).placement
 
 
 def test_valid_base_config_passes(tmp_path):
@@ -212,7 +213,7 @@ CASES = {
     "a class to instantiate in a module": (
         setter("llm.model._target_", "os.system"),
         r"llm\.model\._target_='os\.system': configs cannot name classes to instantiate; a module picks its "
-        r"model from hetero's registry with kind: one of gpt, vit",
+        r"model from the registry of module kinds with kind: one of gpt, vit",
     ),
     "a class to instantiate at the top level": (
         setter("_target_", "subprocess.Popen"),
@@ -248,7 +249,7 @@ def test_hydra_override_with_bad_type_names_the_key():
 def test_override_makes_tp_not_divide_heads():
     experiment = load_experiment("colocated_vlm", ["llm.layout.tp=4", "llm.layout.dp=1", "llm.model.num_heads=2"])
     with pytest.raises(ConfigError, match=r"llm\.layout\.tp=4 does not divide llm\.model\.num_heads=2"):
-        validate(experiment)
+        build_graph(experiment).placement
 
 
 def test_unknown_experiment_lists_the_available_ones():
@@ -257,7 +258,7 @@ def test_unknown_experiment_lists_the_available_ones():
 
 
 def test_launcher_world_size_must_match_before_any_group(monkeypatch):
-    placement = validate(load_experiment("non_colocated_vlm"))
+    placement = build_graph(load_experiment("non_colocated_vlm")).placement
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match=r"needs world_size=6 ranks but the launcher started 4 .*--nproc_per_node=6"):
         init_distributed(placement)
@@ -274,13 +275,13 @@ def test_launcher_world_size_must_match_before_any_group(monkeypatch):
 )
 def test_video_memory_and_layout_errors_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
-        validate(load_experiment("video", override.split()))
+        build_graph(load_experiment("video", override.split())).placement
 
 
 def test_video_sink_must_leave_room_in_the_budget():
     overrides = ["video.model.memory.policy=sink_window", "video.model.memory.sink=8"]
     with pytest.raises(ConfigError, match=r"video\.model\.memory\.sink=8 fills the whole budget=8"):
-        validate(load_experiment("video", overrides))
+        build_graph(load_experiment("video", overrides)).placement
 
 
 @pytest.mark.parametrize(
@@ -296,13 +297,13 @@ def test_video_sink_must_leave_room_in_the_budget():
         ("dna.model.routing=fixed", r"dna\.model\.routing=fixed places a token every target_bpt"),
         ("dna.model.stages=3", r"dna\.model\.stages=3: GeneZip has 1 or 2 chunking stages"),
         ("dna.parallel.sequence_parallel=true", r"dna\.parallel\.sequence_parallel=true: chunking gathers"),
-        ("dna.model.out_size=32", r"edges\[1\] \(dna -> llm\): dna hands on width 32 but llm\.model\.hidden_size=64; "
+        ("dna.model.out_size=32", r"edges\[1\] \(dna -> llm\): dna hands on width 32 \(dna\.model\.out_size\) but llm\.model\.hidden_size=64; "
                                   r"set dna\.model\.out_size=64"),
     ],
 )
 def test_genezip_errors_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
-        validate(load_experiment("dna_vlm", override.split()))
+        build_graph(load_experiment("dna_vlm", override.split())).placement
 
 
 def test_an_llm_conditioning_a_video_generator_needs_matching_widths():
@@ -314,8 +315,8 @@ def test_an_llm_conditioning_a_video_generator_needs_matching_widths():
                   "layout": {"dp": 2}},
         "edges": [{"src": "llm", "dst": "video"}],
     }
-    with pytest.raises(ConfigError, match=r"edges\[0\] \(llm -> video\): llm hands on width 64 but "
+    with pytest.raises(ConfigError, match=r"edges\[0\] \(llm -> video\): llm hands on width 64 \(llm\.model\.hidden_size\) but "
                                           r"video\.model\.condition_size=0; set video\.model\.condition_size=64"):
-        validate(experiment_from_dict(raw))
+        build_graph(experiment_from_dict(raw)).placement
     raw["video"]["model"]["condition_size"] = 64
-    assert validate(experiment_from_dict(raw)).world_size == 2
+    assert build_graph(experiment_from_dict(raw)).placement.world_size == 2

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hetero.kinds.attention import causal_attention
+from hetero.kernels.attention import causal_attention
 from hetero.parallel.context import ContextParallelAttention, gather_from_cp, split_for_cp, zigzag_indices
 from hetero.testing.multiprocess import run_ranks
 

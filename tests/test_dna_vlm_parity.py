@@ -14,15 +14,11 @@ from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.gpt.model import token_loss_sum
 from hetero.testing.references import IMAGE_TOKEN, VisionDnaLanguageModel
 from hetero.kinds.vit.config import ViTConfig
-from hetero.parallel.layout import LayoutSpec
-from hetero.parallel.mesh import build_module_meshes
-from hetero.parallel.options import ParallelOptions
-from hetero.parallel.placement import place
+from hetero.config import OptimizerConfig
+from hetero.runtime import build_runtime
+from hetero.testing.experiments import experiment, module, module_grads
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_parity
-from hetero.train.optim import OptimizerConfig
-from hetero.train.vlm import ModuleSetup, VLMTrainer
-from test_vlm_parity import module_grads
 
 VISION = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_layers=1, num_heads=4, out_size=32)
 DNA = GeneZipConfig(seq_len=64, hidden_size=32, num_heads=4, main_layers=1, local_window=8, routing_window=16,
@@ -81,18 +77,19 @@ def reference(data):
 
 
 def train(rank, world_size, layouts, microbatches, data):
-    placement = place({name: LayoutSpec(**spec) for name, spec in layouts.items()}, world_size)
-    meshes = build_module_meshes(placement)
-    setups = {name: ModuleSetup(ParallelOptions(), OPTIM[name]) for name in OPTIM}
-    trainer = VLMTrainer(placement, meshes, VISION, LLM, num_microbatches=microbatches, setups=setups,
-                         grad_clip=CLIP, seed=0, dna_config=DNA)
+    # Declared vision, llm, dna: each module's weights come from seed + its index, as in the reference.
+    modules = {name: module(kind, config, layouts[name], OPTIM[name])
+               for name, kind, config in (("vision", "vit", VISION), ("llm", "gpt", LLM), ("dna", "genezip", DNA))}
+    config = experiment(world_size, modules, edges=[("vision", "llm"), ("dna", "llm")], global_batch=8,
+                        microbatches=microbatches, grad_clip=CLIP)
+    runtime = build_runtime(config)
     record = Record()
     for step, batch in enumerate(data):
-        metrics = trainer.train_step(batch)
-        record.losses.append([metrics["loss"], metrics["dna_loss"]])
+        metrics = runtime.train_step(batch)
+        record.losses.append([metrics["llm.loss"], metrics["dna.loss"]])
         record.grad_norms.append(metrics["grad_norm"])
         if step == 0:
-            record.grads = module_grads(trainer)
+            record.grads = module_grads(runtime)
     return record
 
 

@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from hetero.config import load_experiment, validate
+from hetero.config import load_experiment
+from hetero.graph import build_graph
 from hetero.train.checkpoint import check_resumable
 from hetero.train.checkpoint_files import complete_checkpoints
 from hetero.train.job import run_identity
@@ -90,7 +91,7 @@ def test_a_killed_rank_ends_every_rank_and_the_restart_resumes(tmp_path):
     experiment = load_experiment("colocated_vlm", STEPS)
     final = complete_checkpoints(tmp_path / "runs" / "colocated_vlm" / "checkpoints")
     assert [p.name for p in final] == ["step_000006", "step_000009", "step_000012"]
-    check_resumable(final[-1], run_identity(experiment, validate(experiment)))
+    check_resumable(final[-1], run_identity(experiment, build_graph(experiment)))
     # Steps that ran twice (before the kill, again after the resume) logged identical losses.
     seen: dict[int, float] = {}
     for row in metrics(tmp_path):

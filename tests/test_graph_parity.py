@@ -10,23 +10,19 @@ import functools
 import pytest
 import torch
 
-from hetero.testing.full_graph import FullGraphModel, GraphConfigs, combined_loss
+from hetero.testing.full_graph import SEED_OFFSETS, FullGraphModel, GraphConfigs, combined_loss
 from hetero.kinds.genezip.config import GeneZipConfig
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.testing.references import IMAGE_TOKEN
 from hetero.kinds.video.config import VideoConfig
 from hetero.kinds.video.memory import MemoryConfig
 from hetero.kinds.vit.config import ViTConfig
-from hetero.parallel.layout import LayoutSpec
-from hetero.parallel.mesh import build_module_meshes
+from hetero.config import OptimizerConfig
 from hetero.parallel.options import ParallelOptions
-from hetero.parallel.placement import place
+from hetero.runtime import build_runtime
+from hetero.testing.experiments import experiment, module, module_grads
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_parity
-from hetero.train.graph import GraphTrainer
-from hetero.train.optim import OptimizerConfig
-from hetero.train.vlm import ModuleSetup
-from test_vlm_parity import module_grads
 
 VISION = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_layers=1, num_heads=4, out_size=32)
 DNA = GeneZipConfig(seq_len=64, hidden_size=32, num_heads=4, main_layers=1, local_window=8, routing_window=16,
@@ -44,10 +40,9 @@ SEED = 3
 WEIGHTS = {"text": 1.0, "dna": 0.5, "video": 2.0}
 OPTIM = {"vision": OptimizerConfig(lr=3e-3), "dna": OptimizerConfig(lr=3e-3),
          "llm": OptimizerConfig(lr=1e-2, warmup_steps=3), "video": OptimizerConfig(lr=3e-3)}
-GLOBAL_BATCH = 8
 
 
-def batches(steps=STEPS, global_batch=GLOBAL_BATCH):
+def batches(global_batch, steps=STEPS):
     """Random multimodal batches; each sample has an image with p=0.75, DNA with 0.5, a clip with 0.5."""
     gen = torch.Generator().manual_seed(7)
     out = []
@@ -93,40 +88,50 @@ def reference(data):
     return record
 
 
-def train(rank, world_size, layouts, microbatches, data, options, edge_compression=None):
-    placement = place({name: LayoutSpec(**spec) for name, spec in layouts.items()}, world_size)
-    meshes = build_module_meshes(placement)
-    setups = {name: ModuleSetup(options.get(name, ParallelOptions()), OPTIM[name]) for name in OPTIM}
-    trainer = GraphTrainer(placement, meshes, CONFIGS, num_microbatches=microbatches, setups=setups,
-                           loss_weights=WEIGHTS, edge_compression=edge_compression, grad_clip=CLIP, seed=SEED)
+KINDS = {"vision": ("vit", VISION), "llm": ("gpt", LLM), "dna": ("genezip", DNA), "video": ("video", VIDEO)}
+EDGES = [("vision", "llm"), ("dna", "llm"), ("llm", "video")]
+WEIGHT_OF = {"vision": None, "llm": "text", "dna": "dna", "video": "video"}
+
+
+def train(rank, world_size, layouts, global_batch, microbatches, data, options):
+    # Declared in SEED_OFFSETS' order: each module's weights come from seed + its index, as in the reference.
+    modules = {}
+    for name in SEED_OFFSETS:
+        kind, config = KINDS[name]
+        weight = {"loss_weight": WEIGHTS[WEIGHT_OF[name]]} if WEIGHT_OF[name] else {}
+        modules[name] = module(kind, config, layouts[name], OPTIM[name], options.get(name), **weight)
+    config = experiment(world_size, modules, edges=EDGES, global_batch=global_batch, microbatches=microbatches,
+                        grad_clip=CLIP, seed=SEED)
+    runtime = build_runtime(config)
     record = Record()
     for step, batch in enumerate(data):
-        metrics = trainer.train_step(batch)
-        record.losses.append([metrics["loss"]] + [metrics[f"{k}_loss"] for k in ("text", "dna", "video")])
+        metrics = runtime.train_step(batch)
+        record.losses.append([metrics["loss"]] + [metrics[f"{name}.loss"] for name in ("llm", "dna", "video")])
         record.grad_norms.append(metrics["grad_norm"])
         if step == 0:
-            record.grads = module_grads(trainer)
+            record.grads = module_grads(runtime)
     return record
 
 
 CASES = {
     "mixed: vision dp2 + dna dp2 (ranks 0-1), llm tp2·pp2 (2-5), video dp2 (6-7)": (
         {"vision": {"dp": 2}, "dna": {"dp": 2}, "llm": {"tp": 2, "pp": 2, "dp": 1, "offset": 2},
-         "video": {"dp": 2, "offset": 6}}, 8, 4, {}),
-    "colocated on 8 ranks: vision dp8, dna tp2·dp4 (activation checkpointing), llm tp2·pp2·dp2, video dp8": (
+         "video": {"dp": 2, "offset": 6}}, 8, 8, 4, {}),
+    "colocated on 8 ranks: vision dp8 (fsdp), dna tp2·dp4 (activation checkpointing), llm tp2·pp2·dp2, video dp8": (
         {"vision": {"dp": 8}, "dna": {"tp": 2, "dp": 4}, "llm": {"tp": 2, "pp": 2, "dp": 2},
-         "video": {"dp": 8}}, 8, 2,
-        {"dna": ParallelOptions(activation_checkpointing=True)}),
+         "video": {"dp": 8}}, 8, 16, 2,
+        {"vision": ParallelOptions(fsdp=True), "dna": ParallelOptions(activation_checkpointing=True)}),
 }
 
 
 @functools.cache
-def expected():
-    return reference(batches())
+def expected(global_batch):
+    return reference(batches(global_batch))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_graph_parity(case):
-    layouts, world_size, microbatches, options = CASES[case]
-    results = run_ranks(train, world_size, layouts, microbatches, batches(), options, timeout_s=400)
-    print("\n" + check_parity(results, expected(), f"graph parity {case}"))
+    layouts, world_size, global_batch, microbatches, options = CASES[case]
+    results = run_ranks(train, world_size, layouts, global_batch, microbatches, batches(global_batch), options,
+                        timeout_s=400)
+    print("\n" + check_parity(results, expected(global_batch), f"graph parity {case}"))

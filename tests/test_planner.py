@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from hetero.cli import main
-from hetero.config import load_experiment, validate
+from hetero.config import load_experiment
+from hetero.graph import build_graph
 from hetero.errors import ConfigError
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.plan.cluster import ClusterSpec, DeviceSpec, LinkSpec, cluster_from_dict, load_cluster
@@ -112,13 +113,13 @@ def test_predict_configured_modes():
     cluster = ClusterSpec(nodes=1, gpus_per_node=8, device=DeviceSpec(activation_bytes=4, precision="fp32"))
     for name, mode in (("colocated_vlm", "colocated"), ("non_colocated_vlm", "non_colocated")):
         experiment = load_experiment(name)
-        plan = predict_configured(experiment, validate(experiment), cluster)
+        plan = predict_configured(experiment, build_graph(experiment).placement, cluster)
         assert plan.mode == mode and plan.step_s > 0
         llm = experiment.modules["llm"].layout
         assert (plan.choices["llm"].tp, plan.choices["llm"].dp) == (llm.tp, llm.dp)
     experiment = load_experiment("mixed_vlm")
     with pytest.raises(ConfigError, match="overlapping"):
-        predict_configured(experiment, validate(experiment), cluster)
+        predict_configured(experiment, build_graph(experiment).placement, cluster)
     with pytest.raises(ConfigError, match="one gpt module fed by vit encoders; this experiment has video: video"):
         workload_of(load_experiment("video"))
 

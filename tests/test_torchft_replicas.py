@@ -183,25 +183,28 @@ def test_a_round_that_fails_is_dropped_and_the_next_one_commits(method):
     torch.testing.assert_close(results[0][2]["params"], results[1][2]["params"], rtol=0, atol=0)
 
 
-def lm_trainer_over_torchft(rank: int, world_size: int, steps: int) -> dict:
-    from test_compression_training import CONFIG, MICRO, OPTIM, SEED, batches, rows
+def runtime_over_torchft(rank: int, world_size: int, steps: int) -> dict:
+    from test_compression_training import CONFIG, OPTIM, batches, step, weights
 
-    from hetero.train.lm import LMTrainer
+    from hetero.runtime import build_runtime
+    from hetero.testing.experiments import experiment, module
 
     compression = CompressionConfig(diloco=DiLoCoConfig(inner_steps=2))
+    config = experiment(2, {"llm": module("gpt", CONFIG, {"dp": 2}, OPTIM, compression=compression)},
+                        global_batch=8, microbatches=2, seed=7)
     with shared_lighthouse() as addr, replica_manager(f"replica_{rank}", addr, TIMEOUT) as manager:
-        trainer = LMTrainer(CONFIG, None, micro_batch_size=MICRO, optimizer=OPTIM, compression=compression,
-                            seed=SEED, outer_comm=TorchftCollective(manager))
-        for tokens, labels in batches(steps):
-            trainer.train_step(rows(tokens, rank), rows(labels, rank))
-        return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        runtime = build_runtime(config, outer_comms={"llm": TorchftCollective(manager)})
+        for batch in batches(steps):
+            step(runtime, batch)
+        return weights(runtime)
 
 
-def test_lm_trainer_runs_diloco_over_torchft_replica_groups():
-    """Each process is one replica group with its own half of the batch: the same run as two dp ranks."""
+def test_runtime_runs_diloco_over_torchft_replica_groups():
+    """Each DP replica of the GPT is its own torchft replica group, and DiLoCo's outer rounds run over
+    torchft: the same run as over the dp group."""
     from test_compression_training import oracle_diloco
 
-    results = run_ranks(lm_trainer_over_torchft, 2, 6, timeout_s=120)
+    results = run_ranks(runtime_over_torchft, 2, 6, timeout_s=120)
     _, params0, params1 = oracle_diloco(6, 2, 1)
     for got, expected in zip(results, (params0, params1)):
         for name, p in expected.items():

@@ -1,101 +1,78 @@
-"""The video generator (and the learned memory's router) under TP and DP matches one process: the
-training loss over a batch of revisit clips and every gradient, fp32, for a content-dependent memory
-(slow_fast) and the learned one (router scores, soft log-importance bias)."""
+"""The video generator (and the learned memory's router) under TP and DP matches one process: 3 AdamW
+steps through the runtime on revisit clips, fp32, for a content-dependent memory (slow_fast) and the
+learned one (flow matching on random keeps, distillation of the router's soft memory from the full
+context, sparsity). Per step the loss, its parts and the gradient norm; every replica's gradients at the
+first step (``hetero.testing.parity``). The reference sums the kind's per-clip losses (each clip's noise
+from its own generator) over the whole batch in one process."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from hetero.config import OptimizerConfig
 from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.video.model import VideoGenerator, patchify
 from hetero.kinds.video.memory import MemoryConfig
-from hetero.kinds.video.objectives import clip_attention, sequence_tokens
-from hetero.kinds.video.plan import parallelize_video
-from hetero.kinds.video.router import ImportanceRouter, sparsity
-from hetero.parallel.layout import LayoutSpec
-from hetero.parallel.mesh import build_module_meshes
+from hetero.kinds.video.spec import VideoModule, clip_losses
 from hetero.parallel.options import ParallelOptions
-from hetero.parallel.placement import place
-from hetero.testing.grads import synced_full_grads
+from hetero.runtime import build_runtime
+from hetero.testing.experiments import experiment, module, module_grads
 from hetero.testing.multiprocess import run_ranks
+from hetero.testing.parity import Record, check_parity
 from test_video_generator import clip_frames
 
-CONFIG = VideoConfig(frame_size=16, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, max_distance=8)
-BATCH = 4
-MEMORIES = [MemoryConfig(policy="slow_fast", budget=4, sink=1, window=2, similarity=0.999),
-            MemoryConfig(policy="learned", budget=4, window=2)]
+BATCH, STEPS, LR, SEED = 4, 3, 3e-3, 5
+MEMORIES = {"slow_fast": MemoryConfig(policy="slow_fast", budget=4, sink=1, window=2, similarity=0.999),
+            "learned": MemoryConfig(policy="learned", budget=4, window=2)}
 
 
-def data():
-    frames = clip_frames(count=BATCH, frames=8, a_len=2, gap=3) * 2 - 1
-    gen = torch.Generator().manual_seed(7)
-    noise = torch.randn(BATCH, 7, CONFIG.patches_per_frame, CONFIG.patch_dim, generator=gen)
-    tau = torch.rand(BATCH, 7, generator=gen)
-    return frames, noise, tau
+def config(memory: str) -> VideoConfig:
+    return VideoConfig(frame_size=16, patch_size=8, hidden_size=32, num_layers=2, num_heads=4, max_distance=8,
+                       memory=MEMORIES[memory])
 
 
-def loss_of(model, router, rows):
-    """The batch's loss restricted to ``rows``, scaled so the rows' parts sum to the whole batch's."""
-    frames, noise, tau = (t[rows] for t in data())
-    patches = patchify(frames, CONFIG.patch_size)
-    count, per_frame = patches.shape[1], patches.shape[2]
-    noisy = (1 - tau[..., None, None]) * noise + tau[..., None, None] * patches[:, 1:]
-    tokens = sequence_tokens(model, patches, noisy, tau)
-    summaries = model.frame_summary(patches).detach()
-    total = 0
-    for b, row in enumerate(rows.tolist()):
-        memory = MEMORIES[row % 2]
-        distances, bias, importance = clip_attention(model, summaries[b], memory, router, soft=True)
-        out = model(tokens[b : b + 1], distances, bias)[:, count * per_frame :]
-        total = total + F.mse_loss(out, patches[b : b + 1, 1:].reshape(1, -1, CONFIG.patch_dim))
-        if importance is not None:
-            total = total + 0.1 * sparsity(importance, memory.window)
-    return total / BATCH
+def batches() -> list[dict[str, torch.Tensor]]:
+    clips = clip_frames(count=BATCH * STEPS, frames=8, a_len=2, gap=3)
+    return [{"clips": clips[s * BATCH : (s + 1) * BATCH], "index": torch.arange(BATCH) + s * BATCH}
+            for s in range(STEPS)]
 
 
-def build():
-    torch.manual_seed(0)
-    return VideoGenerator(CONFIG), ImportanceRouter(CONFIG.hidden_size, width=16)
+def reference(memory: str) -> Record:
+    torch.manual_seed(SEED)
+    model = VideoModule(config(memory))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
+    record = Record()
+    for step, batch in enumerate(batches()):
+        optimizer.zero_grad()
+        total, parts = clip_losses(model, config(memory), batch["clips"], batch["index"].tolist(), None, SEED, step)
+        (total / BATCH).backward()
+        record.grad_norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
+        if step == 0:
+            record.grads = {f"video.{n}": p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        record.losses.append([total.item() / BATCH] + [parts[k].item() / BATCH for k in sorted(parts)])
+    return record
 
 
-def reference():
-    model, router = build()
-    loss = loss_of(model, router, torch.arange(BATCH))
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    grads |= {f"router.{n}": p.grad.clone() for n, p in router.named_parameters()}
-    return loss.item(), grads
-
-
-def run(rank, world_size, layout_kwargs, options):
-    mesh = build_module_meshes(place({"video": LayoutSpec(**layout_kwargs)}, world_size))["video"]
-    model, router = build()
-    model = parallelize_video(model, mesh, options)
-    rows = torch.arange(BATCH).tensor_split(mesh.layout.dp)[mesh.coord.dp]
-    loss = loss_of(model, router, rows)
-    loss.backward()
-    named = list(model.named_parameters()) + [(f"router.{n}", p) for n, p in router.named_parameters()]
-    return loss.item(), synced_full_grads(named, mesh, options)
+def run(rank, world_size, layout, options, memory):
+    blocks = {"video": module("video", config(memory), layout, OptimizerConfig(lr=LR), options)}
+    runtime = build_runtime(experiment(world_size, blocks, global_batch=BATCH, microbatches=1, seed=SEED))
+    record = Record()
+    for step, batch in enumerate(batches()):
+        metrics = runtime.train_step(batch)
+        parts = sorted(k for k in metrics if k.startswith("video.") and k != "video.loss")
+        record.losses.append([metrics["video.loss"]] + [metrics[k] for k in parts])
+        record.grad_norms.append(metrics["grad_norm"])
+        if step == 0:
+            record.grads = module_grads(runtime)
+    return record
 
 
 @pytest.mark.parametrize(
-    "layout,options",
-    [({"tp": 2}, ParallelOptions()), ({"dp": 2}, ParallelOptions()),
-     ({"tp": 2, "dp": 2}, ParallelOptions(activation_checkpointing=True))],
-    ids=["tp2", "dp2", "tp2·dp2+checkpointing"],
+    "layout,options,memory",
+    [({"tp": 2}, ParallelOptions(), "slow_fast"), ({"dp": 2}, ParallelOptions(), "learned"),
+     ({"tp": 2, "dp": 2}, ParallelOptions(activation_checkpointing=True), "learned")],
+    ids=["tp2 slow_fast", "dp2 learned", "tp2·dp2+checkpointing learned"],
 )
-def test_video_generator_parity(layout, options):
-    ref_loss, ref_grads = reference()
-    world = 1
-    for degree in layout.values():
-        world *= degree
-    results = run_ranks(run, world, layout, options, timeout_s=240)
-    dp = layout.get("dp", 1)
-    losses = [loss for loss, _ in results]
-    total = sum(losses[:: world // dp]) if dp > 1 else losses[0]  # one rank per dp replica
-    assert abs(total - ref_loss) <= 1e-5 * abs(ref_loss)
-    for _, grads in results:
-        assert set(grads) == set(ref_grads)
-        for name, grad in grads.items():
-            error = ((grad - ref_grads[name]).norm() / ref_grads[name].norm()).item()
-            assert error <= 1e-5, f"{name}: relative gradient error {error:.1e}"
+def test_video_generator_parity(layout, options, memory):
+    world = layout.get("tp", 1) * layout.get("dp", 1)
+    results = run_ranks(run, world, layout, options, memory, timeout_s=240)
+    print("\n" + check_parity(results, reference(memory), f"video parity {layout} {memory}"))

@@ -4,24 +4,24 @@ Per step the loss and the world-wide gradient norm before clipping within 1e-5 r
 every copy of every vision, projector and LLM gradient (each DP and TP replica's) equal to the others and
 within 1e-5 relative (in norm) of the reference's, for colocated, non-colocated, LLM-pipelined and
 DP-mismatched placements, with FSDP2, activation checkpointing, GPipe and small gradient buckets among
-them. The reference is a plain loop over ``VisionLanguageModel`` with one global gradient-norm clip.
+them. The runtime runs the graph (vision -> llm) phased where the modules share ranks and as one 1F1B pipeline
+over the graph where they do not. The reference is a plain loop over ``VisionLanguageModel`` with one
+global gradient-norm clip.
 """
 
 import pytest
 import torch
 
 from hetero.kinds.gpt.config import GPTConfig
+from hetero.config import OptimizerConfig
 from hetero.kinds.gpt.model import token_loss_sum
-from hetero.testing.references import IMAGE_TOKEN, VisionLanguageModel
 from hetero.kinds.vit.config import ViTConfig
-from hetero.parallel.layout import LayoutSpec
-from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.options import ParallelOptions
-from hetero.parallel.placement import place
+from hetero.runtime import build_runtime
+from hetero.testing.experiments import experiment, module, module_grads
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_parity
-from hetero.train.optim import OptimizerConfig
-from hetero.train.vlm import ModuleSetup, VLMTrainer
+from hetero.testing.references import IMAGE_TOKEN, VisionLanguageModel
 
 VISION = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_layers=2, num_heads=4, out_size=32)
 LLM = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
@@ -75,34 +75,22 @@ def reference(global_batch, model=None, data=None, before_step=None):
 
 
 def train(rank, world_size, layouts, global_batch, microbatches, options=None):
-    placement = place({name: LayoutSpec(**spec) for name, spec in layouts.items()}, world_size)
-    meshes = build_module_meshes(placement)
     options = options or {}
-    setups = {name: ModuleSetup(options.get(name, ParallelOptions()), OPTIM[name]) for name in OPTIM}
-    trainer = VLMTrainer(placement, meshes, VISION, LLM, num_microbatches=microbatches, setups=setups,
-                         grad_clip=CLIP, seed=0)
-    disjoint = not set(placement.layouts["vision"].ranks) & set(placement.layouts["llm"].ranks)
-    assert trainer.graph_pipeline == disjoint  # non-colocated runs one pipeline over the graph
+    modules = {name: module(kind, config, layouts[name], OPTIM[name], options.get(name))
+               for name, kind, config in (("vision", "vit", VISION), ("llm", "gpt", LLM))}
+    config = experiment(world_size, modules, edges=[("vision", "llm")], global_batch=global_batch,
+                        microbatches=microbatches, grad_clip=CLIP)
+    runtime = build_runtime(config)
+    disjoint = not set(runtime.graph.nodes["vision"].layout.ranks) & set(runtime.graph.nodes["llm"].layout.ranks)
+    assert runtime.graph.schedule == ("graph_pipeline" if disjoint else "phased")
     record = Record()
     for step, batch in enumerate(batches(global_batch)):
-        metrics = trainer.train_step(batch)
+        metrics = runtime.train_step(batch)
         record.losses.append([metrics["loss"]])
         record.grad_norms.append(metrics["grad_norm"])
         if step == 0:
-            record.grads = module_grads(trainer)
+            record.grads = module_grads(runtime)
     return record
-
-
-def module_grads(trainer) -> dict[str, torch.Tensor]:
-    """Every gradient of this rank's modules, whole, named ``<module>.<parameter>`` as the reference
-    names it (activation checkpointing's wrapper dropped)."""
-    grads = {}
-    for name, module in trainer.modules.items():
-        for pname, p in module.model.named_parameters():
-            # full_tensor() is collective over TP (and FSDP's shards): every rank of the module calls it
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            grads[f"{name}.{pname.replace('_checkpoint_wrapped_module.', '')}"] = g.detach().clone()
-    return grads
 
 
 # A bucket far smaller than one weight matrix (32x32 fp32 = 4 KB): every parameter gets a bucket of its own.

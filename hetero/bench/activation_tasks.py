@@ -1,4 +1,4 @@
-"""The two tasks of ``bench activation-compression``, run by hetero's trainers on 2 ranks.
+"""The two tasks of ``bench activation-compression``, run by hetero's runtime on 2 ranks.
 
 - ``llm_pp2``: the byte-level GPT of ``bench compression`` (h64, 2 layers, seq 64) split into two pipeline
   stages on ranks 0 and 1 (1F1B, 4 microbatches of 4), trained on a finite set of fixed windows of
@@ -16,22 +16,19 @@ the largest error-compensation memory on a rank at the end. Evaluation sends fp3
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from hetero.bench.compression_tasks import GLOBAL_BATCH, HELDOUT_BATCHES, TEXT_MODEL, text_optim
-from hetero.config import load_experiment, validate
+from hetero.config import load_experiment
 from hetero.data.digits import DigitBatches
 from hetero.data.text import WindowSet, heldout_batches, load_stdlib_corpus
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
-from hetero.parallel.layout import LayoutSpec
-from hetero.parallel.mesh import build_module_meshes
-from hetero.parallel.placement import place
-from hetero.train.lm import LMTrainer
-from hetero.train.vlm import ModuleSetup, VLMTrainer
+from hetero.runtime import build_runtime
+from hetero.testing.experiments import experiment, module
 
 LM_MICRO_BATCH = 4
 VLM_MICROBATCHES = 2
@@ -51,16 +48,18 @@ def run_llm_pp2(rank: int, world_size: int, methods: list[Method], seed: int, st
     heldout = heldout_batches(corpus.heldout, GLOBAL_BATCH, TEXT_MODEL.seq_len, HELDOUT_BATCHES)
     out = {}
     for method in methods:
-        mesh = build_module_meshes(place({"llm": LayoutSpec(pp=world_size)}, world_size))["llm"]
-        compression = CompressionConfig(pipeline=method.edge) if method.edge is not None else None
-        trainer = LMTrainer(TEXT_MODEL, mesh, micro_batch_size=LM_MICRO_BATCH, optimizer=text_optim(steps),
-                            compression=compression, seed=seed, sample_reuse=method.reuse)
+        compression = CompressionConfig(pipeline=method.edge) if method.edge is not None else CompressionConfig()
+        blocks = {"llm": module("gpt", TEXT_MODEL, {"pp": world_size}, text_optim(steps), compression=compression)}
+        runtime = build_runtime(experiment(world_size, blocks, global_batch=GLOBAL_BATCH,
+                                           microbatches=GLOBAL_BATCH // LM_MICRO_BATCH, seed=seed,
+                                           train={"sample_reuse": method.reuse}))
         for step in range(steps):
             tokens, labels, ids = train.batch(step // method.reuse, GLOBAL_BATCH)
-            trainer.train_step(tokens, labels, ids)
-        sent = sum(trainer.pipeline_bytes.values())
-        memory = sum(end.memory_bytes() for end in trainer.edges.values())
-        loss = sum(trainer.eval_loss(x, y) for x, y in heldout) / len(heldout)
+            runtime.train_step({"tokens": tokens, "labels": labels, "index": ids})
+        links = runtime.links["llm"]
+        sent = sum(links.sent_bytes.values())
+        memory = sum(end.memory_bytes() for end in links.ends.values())
+        loss = runtime.evaluate({"tokens": x, "labels": y} for x, y in heldout)["llm.loss"]
         out[method.name] = {"loss": loss, "accuracy": None} | _world(sent, memory)
     return out
 
@@ -76,33 +75,23 @@ def vlm_experiment(steps: int):
 
 
 def run_vlm(rank: int, world_size: int, methods: list[Method], seed: int, steps: int) -> dict[str, dict]:
-    experiment = vlm_experiment(steps)
-    placement = validate(experiment)
-    vision, llm = experiment.model_config("vision"), experiment.model_config("llm")
-    data_dir = experiment.train.data_dir
+    base = vlm_experiment(steps)
+    vision, llm = base.model_config("vision"), base.model_config("llm")
+    data_dir = base.train.data_dir
     train = DigitBatches(data_dir, "train", GLOBAL_BATCH, vision.num_patches, llm.seq_len, seed)
     heldout = DigitBatches(data_dir, "heldout", GLOBAL_BATCH, vision.num_patches, llm.seq_len, seed).ordered_batches()
     heldout = [b for b in heldout if len(b["images"]) == GLOBAL_BATCH]
     out = {}
     for method in methods:
-        trainer = VLMTrainer(
-            placement, build_module_meshes(placement), vision, llm, num_microbatches=VLM_MICROBATCHES,
-            setups={n: ModuleSetup(m.parallel, m.optim, m.compression) for n, m in experiment.modules.items()},
-            grad_clip=experiment.train.grad_clip, seed=seed, boundary_compression=method.edge,
-            sample_reuse=method.reuse,
-        )
+        edge = replace(base.edges[0], compression=method.edge or EdgeCompressionConfig())
+        config = replace(base, seed=seed, edges=[edge], train=replace(base.train, sample_reuse=method.reuse))
+        runtime = build_runtime(config)
         for step in range(steps):
-            trainer.train_step(train.batch(step // method.reuse))
-        sent = 0
-        for boundary in (trainer.boundary, trainer.compressed_boundary):
-            counters = boundary.counters() if boundary is not None else {}
-            sent += sum(v for k, v in counters.items() if k.endswith(("cross_sent_bytes", "intra_sent_bytes")))
-        memory = trainer.compressed_boundary.memory_bytes() if trainer.compressed_boundary is not None else 0
-        scores = [trainer.evaluate(b) for b in heldout]
-        out[method.name] = {
-            "loss": sum(s["loss"] for s in scores) / len(scores),
-            "accuracy": sum(s["accuracy"] for s in scores) / len(scores),
-        } | _world(sent, memory)
+            runtime.train_step(train.batch(step // method.reuse))
+        boundary = runtime.edges["vision->llm"]
+        sent, memory = sum(boundary.sent_bytes().values()), boundary.memory_bytes()
+        scores = runtime.evaluate(heldout)
+        out[method.name] = {"loss": scores["llm.loss"], "accuracy": scores["llm.digit_accuracy"]} | _world(sent, memory)
     return out
 
 

@@ -8,32 +8,28 @@
 
 A rank function returns ``{"loss", "accuracy", "bytes", "residual"}``: the held-out score, the bytes this
 rank put on the wire for data-parallel sync over the run, and (hetero only) the error-feedback residual
-norm every ``log_every`` steps. hetero runs through ``LMTrainer``/``VLMTrainer`` with the method's
+norm every ``log_every`` steps. hetero runs through the runtime with the method's
 ``compression`` block; the peers train the same model from the same seed on the same rows in a plain loop
 under DDP with torch's PowerSGD hook, or under torchft's DiLoCo.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from hetero.bench.ddp_powersgd_peer import AllReduceCounter, ddp_with_powersgd
-from hetero.config import load_experiment, validate
+from hetero.config import OptimizerConfig, load_experiment
 from hetero.data.digits import DigitBatches, dp_rows, ensure_digit_shards
 from hetero.data.text import VOCAB_SIZE, heldout_batches, load_stdlib_corpus, sample_batch
 from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.testing.references import VisionLanguageModel
 from hetero.parallel.compression.config import CompressionConfig
-from hetero.parallel.layout import LayoutSpec
-from hetero.parallel.mesh import build_module_meshes
-from hetero.parallel.placement import place
-from hetero.train.lm import LMTrainer
-from hetero.train.optim import OptimizerConfig
-from hetero.train.vlm import ModuleSetup, VLMTrainer
+from hetero.runtime import build_runtime
+from hetero.testing.experiments import experiment, module
 
 TEXT_MODEL = GPTConfig(vocab_size=VOCAB_SIZE, hidden_size=64, num_layers=2, num_heads=4, seq_len=64)
 GLOBAL_BATCH = 16
@@ -62,16 +58,17 @@ def run_text(rank: int, world_size: int, method: Method, seed: int, steps: int, 
         return sample_batch(corpus.train, GLOBAL_BATCH, TEXT_MODEL.seq_len, step, seed)
 
     if method.engine == "hetero":
-        mesh = build_module_meshes(place({"llm": LayoutSpec(dp=world_size)}, world_size))["llm"]
-        trainer = LMTrainer(TEXT_MODEL, mesh, micro_batch_size=GLOBAL_BATCH // world_size, optimizer=optim,
-                            compression=method.compression, seed=seed)
+        blocks = {"llm": module("gpt", TEXT_MODEL, {"dp": world_size}, optim, compression=method.compression)}
+        runtime = build_runtime(experiment(world_size, blocks, global_batch=GLOBAL_BATCH, microbatches=1, seed=seed))
+        sync = runtime.modules["llm"].replica_sync
         residual = []
         for step in range(steps):
-            trainer.train_step(*batch(step))
+            tokens, labels = batch(step)
+            runtime.train_step({"tokens": tokens, "labels": labels})
             if (step + 1) % log_every == 0:
-                residual.append((step + 1, trainer.replica_sync.residual_norm()))
-        loss = sum(trainer.eval_loss(x, y) for x, y in heldout) / len(heldout)
-        return {"loss": loss, "accuracy": None, "bytes": trainer.replica_sync.bytes_sent, "residual": residual}
+                residual.append((step + 1, sync.residual_norm()))
+        loss = runtime.evaluate({"tokens": x, "labels": y} for x, y in heldout)["llm.loss"]
+        return {"loss": loss, "accuracy": None, "bytes": sync.bytes_sent, "residual": residual}
 
     torch.manual_seed(seed)
     model = GPT(TEXT_MODEL)
@@ -94,37 +91,31 @@ def vlm_experiment(world_size: int, method: Method, steps: int):
         f"batch.micro_batch_size={GLOBAL_BATCH // world_size}", f"batch.global_batch_size={GLOBAL_BATCH}",
         f"vision.optim.decay_steps={steps}", f"llm.optim.decay_steps={steps}",
     ]
-    experiment = load_experiment("colocated_vlm", overrides)
-    for module in experiment.modules.values():
-        module.compression = method.compression
-    return experiment
+    config = load_experiment("colocated_vlm", overrides)
+    for block in config.modules.values():
+        block.compression = method.compression
+    return config
 
 
 def run_vlm(rank: int, world_size: int, method: Method, seed: int, steps: int, log_every: int) -> dict:
-    experiment = vlm_experiment(world_size, method, steps)
-    placement = validate(experiment)
-    vision, llm = experiment.model_config("vision"), experiment.model_config("llm")
-    data_dir = experiment.train.data_dir
+    config = replace(vlm_experiment(world_size, method, steps), seed=seed)
+    vision, llm = config.model_config("vision"), config.model_config("llm")
+    data_dir = config.train.data_dir
     train = DigitBatches(data_dir, "train", GLOBAL_BATCH, vision.num_patches, llm.seq_len, seed)
     heldout = DigitBatches(data_dir, "heldout", GLOBAL_BATCH, vision.num_patches, llm.seq_len, seed).ordered_batches()
-    clip = experiment.train.grad_clip
+    clip = config.train.grad_clip
 
     if method.engine == "hetero":
-        trainer = VLMTrainer(
-            placement, build_module_meshes(placement), vision, llm, num_microbatches=1,
-            setups={n: ModuleSetup(m.parallel, m.optim, m.compression) for n, m in experiment.modules.items()},
-            grad_clip=clip, seed=seed,
-        )
+        runtime = build_runtime(config)
         residual = []
         for step in range(steps):
-            trainer.train_step(train.batch(step))
+            runtime.train_step(train.batch(step))
             if (step + 1) % log_every == 0:
-                norms = [m.replica_sync.residual_norm() for m in trainer.modules.values()]
+                norms = [m.replica_sync.residual_norm() for m in runtime.modules.values()]
                 residual.append((step + 1, sum(n * n for n in norms) ** 0.5))
-        scores = [trainer.evaluate(b) for b in heldout]
-        sent = sum(m.replica_sync.bytes_sent for m in trainer.modules.values())
-        return {"loss": _mean(s["loss"] for s in scores), "accuracy": _mean(s["accuracy"] for s in scores),
-                "bytes": sent, "residual": residual}
+        scores = runtime.evaluate(heldout)
+        sent = sum(m.replica_sync.bytes_sent for m in runtime.modules.values())
+        return {"loss": scores["llm.loss"], "accuracy": scores["llm.digit_accuracy"], "bytes": sent, "residual": residual}
 
     model = VisionLanguageModel(vision, llm, seed)
     rows = dp_rows(GLOBAL_BATCH, rank, world_size)
@@ -136,8 +127,8 @@ def run_vlm(rank: int, world_size: int, method: Method, seed: int, steps: int, l
         supervised = int((labels != -100).sum())
         return token_loss_sum(net(b["images"][rows], b["tokens"][rows]), labels[rows]) * world_size / supervised
 
-    groups = [(experiment.modules["vision"].optim, list(model.vision.parameters())),
-              (experiment.modules["llm"].optim, list(model.llm.parameters()))]
+    groups = [(config.modules["vision"].optim, list(model.vision.parameters())),
+              (config.modules["llm"].optim, list(model.llm.parameters()))]
     sent = _run_peer(method, model, local_loss, groups, steps, seed, clip)
     with torch.no_grad():
         losses, accuracies = [], []

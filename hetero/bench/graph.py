@@ -7,7 +7,7 @@ Each placement (``full_graph``: encoders on ranks 0-1, LLM tp2·pp2 on 2-5, gene
 warmup + timed steps. Reported per placement: the step time (median over timed steps of the slowest
 rank's), each module's compute time per step (the largest over its ranks; the rest of a step is edges,
 stage links, gradient syncs and waiting), and the bytes per step of every communicator: each edge per
-direction, the LLM's stage links and each module's gradient sync. On this 2-core machine 8 ranks share
+direction, the LLM's stage links and each module's gradient sync (``hetero.train.job``'s counts). On this 2-core machine 8 ranks share
 two cores, so times say more about overheads than about a cluster; bytes are exact.
 """
 
@@ -22,7 +22,8 @@ from typing import Any
 import torch.distributed as dist
 
 from hetero.bench.throughput import absolute_paths
-from hetero.config import ExperimentConfig, load_experiment, validate
+from hetero.config import ExperimentConfig, load_experiment
+from hetero.graph import build_graph
 from hetero.testing.multiprocess import run_ranks
 
 PLACEMENTS = ("full_graph", "full_graph_colocated")
@@ -30,12 +31,12 @@ PLACEMENTS = ("full_graph", "full_graph_colocated")
 
 def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int, warmup: int) -> dict[str, Any]:
     """One rank's run: its step times and the world's bytes and module seconds per timed step."""
-    from hetero.parallel.mesh import build_module_meshes
-    from hetero.train.graph_run import build_graph, communicator_bytes, module_seconds
+    from hetero.runtime import build_runtime
+    from hetero.train.datasets import load_splits
+    from hetero.train.job import communicator_bytes, module_seconds
 
-    placement = validate(experiment)
-    meshes = build_module_meshes(placement, experiment.timeout_s)
-    trainer, data = build_graph(experiment, meshes, placement, splits=("train",))
+    trainer = build_runtime(experiment)
+    data = load_splits(experiment, trainer.graph, ("train",))
     times: list[float] = []
     bytes_before: dict[str, int] = {}
     seconds_before: dict[str, float] = {}
@@ -60,7 +61,7 @@ def run(steps: int, warmup: int, overrides: list[str]) -> dict[str, dict[str, An
     results = {}
     for name in PLACEMENTS:
         experiment = absolute_paths(load_experiment(name, overrides))
-        placement = validate(experiment)
+        placement = build_graph(experiment).placement
         per_rank = run_ranks(measure, placement.world_size, experiment, steps, warmup, timeout_s=900)
         results[name] = {
             "ranks": placement.world_size,

@@ -1,4 +1,5 @@
-"""hetero's single-rank training step against a plain PyTorch loop on the same model and data.
+"""hetero's single-rank training step (the runtime on a world of one process) against a plain PyTorch loop
+on the same model and data.
 
     python -m hetero.bench.overhead [--steps 30]
 
@@ -14,11 +15,13 @@ import time
 
 import torch
 
+from hetero.config import OptimizerConfig
 from hetero.data.text import VOCAB_SIZE, load_stdlib_corpus, sample_batch
-from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.kinds.gpt.config import GPTConfig
-from hetero.train.lm import LMTrainer
-from hetero.train.optim import OptimizerConfig
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.parallel.mesh import init_single_process
+from hetero.runtime import build_runtime
+from hetero.testing.experiments import experiment, module
 
 MODEL = GPTConfig(vocab_size=VOCAB_SIZE, hidden_size=128, num_layers=2, num_heads=4, seq_len=128)
 BATCH = 8
@@ -33,19 +36,21 @@ class PlainLoop:
         self.model = GPT(config)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
 
-    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = token_loss_sum(self.model(tokens), labels) / tokens.numel()
+        loss = token_loss_sum(self.model(batch["tokens"]), batch["labels"]) / batch["tokens"].numel()
         loss.backward()
         self.optimizer.step()
-        return loss.item()
+        return {"loss": loss.item()}
 
 
 def measure(steps: int, warmup: int = 5, seed: int = 0) -> dict[str, float]:
     corpus = load_stdlib_corpus()
+    init_single_process()
+    lone = {"llm": module("gpt", MODEL, {}, OptimizerConfig(lr=LR))}
     loops = {
         "plain": PlainLoop(MODEL, seed),
-        "hetero": LMTrainer(MODEL, None, micro_batch_size=BATCH, optimizer=OptimizerConfig(lr=LR), seed=seed),
+        "hetero": build_runtime(experiment(1, lone, global_batch=BATCH, microbatches=1, seed=seed)),
     }
     times: dict[str, list[float]] = {name: [] for name in loops}
     losses: dict[str, list[float]] = {name: [] for name in loops}
@@ -54,7 +59,7 @@ def measure(steps: int, warmup: int = 5, seed: int = 0) -> dict[str, float]:
         order = list(loops) if step % 2 == 0 else list(reversed(loops))
         for name in order:
             start = time.perf_counter()
-            losses[name].append(loops[name].train_step(tokens, labels))
+            losses[name].append(loops[name].train_step({"tokens": tokens, "labels": labels})["loss"])
             if step >= warmup:
                 times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(t) for name, t in times.items()}

@@ -5,7 +5,7 @@
 
 CONFIG is an experiment name or YAML path and the overrides are Hydra's, as for ``hetero layout``. Only
 vision-language experiments run here (``vision`` a vit and ``llm`` a gpt, optionally ``dna`` a genezip),
-with the trainer and data of ``hetero train`` (``hetero.train.run.build_vlm``). Started by hand, the ranks
+with the runtime and data of ``hetero train`` (``hetero.runtime``, ``hetero.train.datasets``). Started by hand, the ranks
 are processes on this machine (gloo), at most 8; started by torchrun (``launch/bench.py``,
 ``slurm/bench.sbatch``), every process is one rank of the launched job, and ``--scaling weak|strong``
 scales the experiment to the launched world size.
@@ -44,7 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hetero.config import ExperimentConfig, load_experiment, validate
+from hetero.config import ExperimentConfig, load_experiment
+from hetero.graph import build_graph
 from hetero.errors import ConfigError
 from hetero.kinds.flops import (
     TRAINING_MULTIPLIER,
@@ -75,9 +76,6 @@ def check_supported(experiment: ExperimentConfig) -> None:
             f"(kind vit) and llm (kind gpt), optionally dna (kind genezip), e.g. colocated_vlm or dna_vlm; this "
             f"experiment has {found}"
         )
-    from hetero.train.run import check_vlm_edges
-
-    check_vlm_edges(experiment)
 
 
 def scaled_overrides(experiment: ExperimentConfig, k: int, mode: str) -> list[str]:
@@ -132,11 +130,11 @@ def dna_forward_flops_per_sample(experiment: ExperimentConfig) -> float:
     """GeneZip's forward FLOPs per window, counted on the first training batch of real windows with the
     trainer's initial weights (dynamic chunking makes the count depend on both)."""
     from hetero.kinds.genezip.model import GeneZip
-    from hetero.train.run import vlm_batches
+    from hetero.train.datasets import load
 
-    windows = vlm_batches(experiment, "train").batch(0)["dna"]
+    windows = load(experiment, build_graph(experiment), "train").batch(0)["dna"]
     with torch.random.fork_rng():
-        torch.manual_seed(experiment.seed + 2)  # VLMTrainer's seed for the dna module
+        torch.manual_seed(experiment.seed + list(experiment.modules).index("dna"))  # the runtime's seed for it
         model = GeneZip(experiment.model_config("dna"))
     return counted_forward_flops(model, windows) / windows.shape[0]
 
@@ -149,12 +147,13 @@ def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int
     """One rank's run: its step times, the world's bytes per communicator over the timed steps, and the
     world's DTensor collectives in one more step."""
     from hetero.bench.dtensor_collectives import DTensorCollectives, dtensor_owners
-    from hetero.parallel.mesh import build_module_meshes
-    from hetero.train.run import build_vlm, communicator_bytes
+    from hetero.runtime import build_runtime
+    from hetero.train.datasets import load_splits
+    from hetero.train.job import communicator_bytes
 
-    placement = validate(experiment)
-    meshes = build_module_meshes(placement, experiment.timeout_s)
-    trainer, data = build_vlm(experiment, meshes, placement, splits=("train",))
+    trainer = build_runtime(experiment)
+    meshes = {name: module.mesh for name, module in trainer.modules.items()}
+    data = load_splits(experiment, trainer.graph, ("train",))
     reuse = experiment.train.sample_reuse
     times, before = [], {}
     for step in range(warmup + steps):
@@ -199,13 +198,9 @@ def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:
 
 
 def ensure_shards(experiment: ExperimentConfig) -> None:
-    from hetero.data.digits import ensure_digit_shards
-    from hetero.data.genome import GenomeOptions, ensure_genome_shards, genome_shards
+    from hetero.train.datasets import prepare
 
-    ensure_digit_shards(experiment.train.data_dir)
-    if "dna" in experiment.modules:
-        window = experiment.model_config("dna").seq_len
-        ensure_genome_shards(genome_shards(experiment.train.genome_dir, window), GenomeOptions(window=window))
+    prepare(experiment, build_graph(experiment))
 
 
 def _layouts(placement: Placement) -> dict[str, dict[str, Any]]:
@@ -391,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     name, overrides = _split_config_and_overrides(args.config)
     base = load_experiment(name, overrides)
     check_supported(base)
-    validate(base)
+    build_graph(base).placement
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one rank of the job
         return _main_launched(args, name, overrides, base)
     scales = [1] if args.scaling == "none" else _scales(args.scales)
@@ -401,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             experiment = load_experiment(name, [*overrides, *extra]) if extra else base
             check_supported(experiment)
-            placement = validate(experiment)
+            placement = build_graph(experiment).placement
         except ConfigError as err:
             raise ConfigError(f"{args.scaling} scaling, scale {k} ({' '.join(extra)}):\n{err}") from None
         if placement.world_size > MAX_RANKS:
@@ -442,7 +437,7 @@ def _main_launched(args: argparse.Namespace, name: str, overrides: list[str], ba
     is a multiple of the base's. Rank 0 reports."""
     from hetero.parallel.mesh import init_distributed
 
-    launched, base_world = int(os.environ["WORLD_SIZE"]), validate(base).world_size
+    launched, base_world = int(os.environ["WORLD_SIZE"]), build_graph(base).placement.world_size
     extra: list[str] = []
     if launched != base_world:
         if args.scaling == "none" or launched % base_world:
@@ -454,7 +449,7 @@ def _main_launched(args: argparse.Namespace, name: str, overrides: list[str], ba
         extra = scaled_overrides(base, launched // base_world, args.scaling)
     experiment = absolute_paths(load_experiment(name, [*overrides, *extra]))
     check_supported(experiment)
-    placement = validate(experiment)
+    placement = build_graph(experiment).placement
     rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # each node writes its own copy of the shards
         ensure_shards(experiment)

@@ -15,7 +15,8 @@ import argparse
 import statistics
 
 from hetero.bench.throughput import absolute_paths, ensure_shards, measure
-from hetero.config import load_experiment, validate
+from hetero.config import load_experiment
+from hetero.graph import build_graph
 from hetero.testing.multiprocess import run_ranks
 
 EXPERIMENTS = ("homogeneous_vlm", "colocated_vlm", "non_colocated_vlm")
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in EXPERIMENTS:
         experiment = absolute_paths(load_experiment(name))
-        placement = validate(experiment)
+        placement = build_graph(experiment).placement
         ensure_shards(experiment)
         per_rank = run_ranks(measure, placement.world_size, experiment, args.steps, 3, timeout_s=600)
         step_s = statistics.median(max(step) for step in zip(*(r["times"] for r in per_rank)))

@@ -1,11 +1,27 @@
-"""Models, written free of parallelism. ``MODEL_CONFIGS`` is the registry of module kinds: YAML can
-name only these."""
+"""Module kinds: each a folder with its config and layout checks (``config.py``), the pure model
+(``model.py``), its parallelize plan (``plan.py``) and what the runtime needs of it (``spec.py``).
 
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.vit.config import ViTConfig
+``default_registry()`` holds the built-in kinds (``gpt``, ``vit``, ``genezip``, ``video``) and every kind
+installed packages declare under the entry-point group ``hetero.kinds``; user code may register more.
+"""
 
-MODEL_CONFIGS: dict[str, type] = {
-    "gpt": GPTConfig, "vit": ViTConfig, "video": VideoConfig, "genezip": GeneZipConfig,
-}
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from hetero.kinds.genezip.spec import GeneZipKind
+from hetero.kinds.gpt.spec import GPTKind
+from hetero.kinds.registry import ENTRY_POINT_GROUP, Kind, KindRegistry
+from hetero.kinds.video.spec import VideoKind
+from hetero.kinds.vit.spec import ViTKind
+
+BUILT_IN: tuple[Kind, ...] = (GPTKind(), ViTKind(), GeneZipKind(), VideoKind())
+
+
+def default_registry() -> KindRegistry:
+    """A fresh registry of the built-in kinds and the installed packages' ``hetero.kinds`` entry points
+    (each a ``Kind`` instance or class)."""
+    registry = KindRegistry(BUILT_IN)
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        registry.register(point.load())
+    return registry

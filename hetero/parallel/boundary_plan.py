@@ -3,7 +3,7 @@
 Each side of a boundary lays out the same global tensor by its own layout. For one rank, a side's
 *box* lists, per dimension, the global index spans the rank holds, in the order they sit in its local
 tensor: DP takes contiguous rows of the batch dim (uneven counts allowed, earlier replicas take the
-extra row), CP takes zigzag chunks r and 2cp-1-r (or one contiguous span) of the sequence dim,
+extra row, or each replica the count a call's ``Rows`` gives it), CP takes zigzag chunks r and 2cp-1-r (or one contiguous span) of the sequence dim,
 sequence parallelism cuts that local sequence further into TP parts, and every other dim is whole.
 
 Ranks of a side whose boxes are equal form a *replica group* (TP replicas, or every rank when nothing
@@ -40,13 +40,7 @@ from hetero.parallel.layout import Coord, Layout
 Span = tuple[int, int]  # [start, stop) of global indices along one dim
 Box = tuple[tuple[Span, ...], ...]  # per dim, the spans a rank holds in local order
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
-    torch.int8,
-    torch.uint8,
-)
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -153,11 +147,35 @@ def part_of_spans(spans: Sequence[Span], parts: int, index: int) -> tuple[Span, 
     return tuple(result) or ((0, 0),)
 
 
-def rank_box(shape: Sequence[int], sharding: Sharding, layout: Layout, coord: Coord) -> Box:
-    """What a rank at ``coord`` holds of a global tensor of ``shape``."""
+@dataclass(frozen=True)
+class Rows:
+    """How many rows of the batch dim each DP replica holds, in DP order, on each side of one call (None:
+    an even split, earlier replicas taking the extra row). Multimodal batches give replicas unequal shares
+    of the rows that carry a modality."""
+
+    source: tuple[int, ...] | None = None
+    destination: tuple[int, ...] | None = None
+
+    def words(self, source_dp: int, destination_dp: int) -> tuple[int, ...]:
+        """Both sides' counts as header words (-1 each for an even split)."""
+        return (self.source or (-1,) * source_dp) + (self.destination or (-1,) * destination_dp)
+
+
+def batch_span(length: int, dp: int, dp_rank: int, counts: tuple[int, ...] | None) -> Span:
+    if counts is None:
+        return split_evenly(length, dp, dp_rank)
+    start = sum(counts[:dp_rank])
+    return start, start + counts[dp_rank]
+
+
+def rank_box(
+    shape: Sequence[int], sharding: Sharding, layout: Layout, coord: Coord, counts: tuple[int, ...] | None = None
+) -> Box:
+    """What a rank at ``coord`` holds of a global tensor of ``shape``; ``counts``: the rows of each DP
+    replica (default: an even split)."""
     box: list[tuple[Span, ...]] = [((0, n),) for n in shape]
     if sharding.batch_dim is not None:
-        box[sharding.batch_dim] = (split_evenly(shape[sharding.batch_dim], layout.dp, coord.dp),)
+        box[sharding.batch_dim] = (batch_span(shape[sharding.batch_dim], layout.dp, coord.dp, counts),)
     if sharding.seq_dim is not None:
         spans = cp_spans(shape[sharding.seq_dim], layout.cp, coord.cp, sharding.zigzag)
         if sharding.sequence_parallel:
@@ -171,15 +189,23 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 
 def check_global_shape(
-    shape: Sequence[int], spec: TensorSpec, source: Side, destination: Side, what: str
+    shape: Sequence[int], spec: TensorSpec, source: Side, destination: Side, what: str, rows: Rows = Rows()
 ) -> None:
-    """Raise when ``shape`` cannot be laid out on both sides (zigzag CP needs 2*cp | sequence)."""
+    """Raise when ``shape`` cannot be laid out on both sides (zigzag CP needs 2*cp | sequence; explicit DP
+    rows must cover the batch dim)."""
     if len(shape) != spec.ndim or any(n < 0 for n in shape):
         raise ValueError(f"{what}: global shape {tuple(shape)} does not fit a tensor of ndim={spec.ndim}")
-    for role, side, sharding in (
-        ("source", source, spec.source),
-        ("destination", destination, spec.destination),
+    for role, side, sharding, counts in (
+        ("source", source, spec.source, rows.source),
+        ("destination", destination, spec.destination, rows.destination),
     ):
+        if counts is not None and sharding.batch_dim is not None and (
+            len(counts) != side.layout.dp or sum(counts) != shape[sharding.batch_dim] or min(counts) < 0
+        ):
+            raise ValueError(
+                f"{what}: the {role}'s DP rows {list(counts)} do not split dim {sharding.batch_dim} (length "
+                f"{shape[sharding.batch_dim]}) over its dp={side.layout.dp} replicas"
+            )
         cp, dim = side.layout.cp, sharding.seq_dim
         if dim is not None and sharding.zigzag and cp > 1 and shape[dim] % (2 * cp):
             raise ValueError(
@@ -250,9 +276,9 @@ def replica_groups(boxes: Mapping[int, Box]) -> list[tuple[Box, tuple[int, ...]]
     return [(box, tuple(ranks)) for box, ranks in groups.items()]
 
 
-def side_boxes(shape: Sequence[int], sharding: Sharding, side: Side) -> dict[int, Box]:
+def side_boxes(shape: Sequence[int], sharding: Sharding, side: Side, counts: tuple[int, ...] | None = None) -> dict[int, Box]:
     return {
-        rank: rank_box(shape, sharding, side.layout, coord)
+        rank: rank_box(shape, sharding, side.layout, coord, counts)
         for rank, coord in side.layout.coords()
         if coord.pp == side.stage
     }
@@ -266,14 +292,15 @@ def plan_pieces(
     destination: Side,
     rank: int,
     first_index: int,
+    rows: Rows = Rows(),
 ) -> list[Piece]:
     """The pieces of one tensor that involve ``rank``, in the order every rank lists them.
 
     Only pairs with this rank's own source or destination replica group are intersected, so the
     cost grows with the number of groups, not with its square.
     """
-    src_groups = replica_groups(side_boxes(shape, spec.source, source))
-    dst_groups = replica_groups(side_boxes(shape, spec.destination, destination))
+    src_groups = replica_groups(side_boxes(shape, spec.source, source, rows.source))
+    dst_groups = replica_groups(side_boxes(shape, spec.destination, destination, rows.destination))
     pieces = []
     for dst_box, dst_ranks in dst_groups:
         for src_box, src_ranks in src_groups:
@@ -321,6 +348,7 @@ class RankPlan:
     """
 
     shapes: dict[str, tuple[int, ...]]
+    rows: Rows
     src_shapes: dict[str, tuple[int, ...]]  # this rank's local shapes (empty when not a source)
     dst_shapes: dict[str, tuple[int, ...]]
     local_copies: list[Piece] = field(default_factory=list)
@@ -342,19 +370,21 @@ def rank_plan(
     specs: Mapping[str, TensorSpec],
     source: Side,
     destination: Side,
+    rows: Rows = Rows(),
 ) -> RankPlan:
     """This rank's sends, receives and copies for one shape signature (computed once, then cached)."""
     src_coord, dst_coord = _active_coord(source, rank), _active_coord(destination, rank)
     plan = RankPlan(
         shapes=dict(shapes),
+        rows=rows,
         src_shapes={
-            key: box_shape(rank_box(shapes[key], spec.source, source.layout, src_coord))
+            key: box_shape(rank_box(shapes[key], spec.source, source.layout, src_coord, rows.source))
             for key, spec in specs.items()
         }
         if src_coord
         else {},
         dst_shapes={
-            key: box_shape(rank_box(shapes[key], spec.destination, destination.layout, dst_coord))
+            key: box_shape(rank_box(shapes[key], spec.destination, destination.layout, dst_coord, rows.destination))
             for key, spec in specs.items()
         }
         if dst_coord
@@ -362,7 +392,7 @@ def rank_plan(
     )
     pieces: list[Piece] = []
     for key, spec in specs.items():
-        pieces += plan_pieces(key, shapes[key], spec, source, destination, rank, len(pieces))
+        pieces += plan_pieces(key, shapes[key], spec, source, destination, rank, len(pieces), rows)
     for piece in pieces:
         _add_piece(plan, piece, rank)
     for messages in _all_messages(plan):
@@ -414,16 +444,7 @@ def _add_overlap(messages: Messages, peer: int, piece: Piece, a: Span, b: Span) 
     _add(messages, peer, piece, (max(a[0], b[0]), min(a[1], b[1])))
 
 
-MESSAGE_FIELDS = (
-    "cross_out",
-    "cross_in",
-    "dest_out",
-    "dest_in",
-    "src_out",
-    "src_in",
-    "local_out",
-    "local_in",
-)
+MESSAGE_FIELDS = ("cross_out", "cross_in", "dest_out", "dest_in", "src_out", "src_in", "local_out", "local_in")
 
 
 def _all_messages(plan: RankPlan) -> Iterator[Messages]:
@@ -458,6 +479,7 @@ def keep_keys(plan: RankPlan, keys: set[str]) -> RankPlan:
 
     return RankPlan(
         shapes={k: v for k, v in plan.shapes.items() if k in keys},
+        rows=plan.rows,
         src_shapes={k: v for k, v in plan.src_shapes.items() if k in keys},
         dst_shapes={k: v for k, v in plan.dst_shapes.items() if k in keys},
         local_copies=pieces(plan.local_copies),

@@ -18,8 +18,8 @@ gets it once. This differs from ``Boundary.backward``, where replicas hand in pa
     out = edge.forward(m, x, shape)      # destination ranks: the decoded shard of microbatch m
     grad = edge.backward(m, grad_out)    # source ranks: the decoded gradient of their x
 
-``sender_link``/``receiver_link`` make the two ends pipeline links for the graph pipeline (build the
-boundary with ``async_sends=True`` there, as for ``BoundarySender``/``BoundaryReceiver``).
+Built with ``async_sends=True``, send-only crossings return before delivery, as ``Boundary``'s do (the
+graph pipeline's stages call the two sides in different orders); ``wait_sends()`` once a step.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.errors import ConfigError
-from hetero.parallel.boundary import Boundary, Side, TensorSpec
+from hetero.parallel.boundary import Boundary, Rows, Side, TensorSpec
 from hetero.parallel.compression.activation_codecs import ActivationCodec
 from hetero.parallel.compression.edge import EdgeEnd
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
@@ -115,23 +115,29 @@ class CompressedBoundary:
     def memory_bytes(self) -> int:
         return self.upstream.memory_bytes() + self.downstream.memory_bytes()
 
-    def forward(self, microbatch: int, x: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor | None:
-        """Move microbatch ``microbatch``'s activation (source ranks pass it) to the destination layout."""
+    def forward(
+        self, microbatch: int, x: torch.Tensor | None, shape: Sequence[int], rows: Rows = Rows()
+    ) -> torch.Tensor | None:
+        """Move microbatch ``microbatch``'s activation (source ranks pass it) to the destination layout;
+        ``rows``: each side's DP rows, as for ``Boundary.forward``."""
         shape = tuple(int(n) for n in shape)
         codec = (self.upstream if self.is_source else self.downstream).codec("forward")
         parts = self.upstream.encode_forward(microbatch, x) if self.is_source else None  # type: ignore[arg-type]
         boundary = self.forward_boundaries[_signature(codec, self.hidden)]
-        transfer = boundary.forward(parts, part_shapes(codec, shape))
+        transfer = boundary.forward(parts, part_shapes(codec, shape), rows)
         if not self.is_destination:
             return None
         return self.downstream.decode_forward(microbatch, transfer.output, shape[-1])  # type: ignore[arg-type]
 
-    def backward(self, microbatch: int, grad: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor | None:
-        """Route the full gradient of the destination shard (destination ranks) back to the source ranks."""
+    def backward(
+        self, microbatch: int, grad: torch.Tensor | None, shape: Sequence[int], rows: Rows = Rows()
+    ) -> torch.Tensor | None:
+        """Route the full gradient of the destination shard (destination ranks) back to the source ranks;
+        ``rows`` as the forward call's."""
         shape = tuple(int(n) for n in shape)
         codec = self.upstream.codec("backward")
         parts = self.downstream.encode_backward(microbatch, grad) if self.is_destination else None  # type: ignore[arg-type]
-        transfer = self.backward_boundary.forward(parts, part_shapes(codec, shape))
+        transfer = self.backward_boundary.forward(parts, part_shapes(codec, shape), Rows(rows.destination, rows.source))
         if not self.is_source:
             return None
         return self.upstream.decode_backward(microbatch, transfer.output, shape[-1])  # type: ignore[arg-type]
@@ -151,57 +157,6 @@ class CompressedBoundary:
                     out[name] = out.get(name, 0) + value
         return out
 
-    def sender_link(self, shape: Sequence[int]) -> "CompressedBoundarySender":
-        return CompressedBoundarySender(self, shape)
-
-    def receiver_link(self, shape: Sequence[int]) -> "CompressedBoundaryReceiver":
-        return CompressedBoundaryReceiver(self, shape)
-
 
 def _signature(codec: ActivationCodec, hidden: int) -> tuple:
     return tuple(sorted((name, dtype) for name, (dtype, _) in codec.widths(hidden).items()))
-
-
-class _Link:
-    def __init__(self, edge: CompressedBoundary, shape: Sequence[int], role: str) -> None:
-        if edge.is_source and edge.is_destination:
-            raise ConfigError(
-                f"boundary {edge.name!r}: rank {dist.get_rank()} is in both stages; as a pipeline link each "
-                f"stage's module lives on its own ranks (colocated modules call forward/backward directly)"
-            )
-        if not (edge.is_source if role == "source" else edge.is_destination):
-            raise ConfigError(f"boundary {edge.name!r}: rank {dist.get_rank()} is not in its {role} stage")
-        self.edge, self.shape = edge, tuple(int(n) for n in shape)
-
-    def finish(self) -> None:
-        self.edge.wait_sends()
-
-
-class CompressedBoundarySender(_Link):
-    """The source stage's next link (see ``BoundarySender``)."""
-
-    def __init__(self, edge: CompressedBoundary, shape: Sequence[int]) -> None:
-        super().__init__(edge, shape, "source")
-
-    def send_forward(self, microbatch: int, tensor: torch.Tensor) -> None:
-        self.edge.forward(microbatch, tensor, self.shape)
-
-    def recv_backward(self, microbatch: int) -> torch.Tensor:
-        grad = self.edge.backward(microbatch, None, self.shape)
-        assert grad is not None
-        return grad
-
-
-class CompressedBoundaryReceiver(_Link):
-    """The destination stage's previous link (see ``BoundaryReceiver``); it hands in full gradients."""
-
-    def __init__(self, edge: CompressedBoundary, shape: Sequence[int]) -> None:
-        super().__init__(edge, shape, "destination")
-
-    def recv_forward(self, microbatch: int) -> torch.Tensor:
-        out = self.edge.forward(microbatch, None, self.shape)
-        assert out is not None
-        return out
-
-    def send_backward(self, microbatch: int, tensor: torch.Tensor) -> None:
-        self.edge.backward(microbatch, tensor, self.shape)

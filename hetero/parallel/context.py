@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hetero.kinds.attention import causal_attention, expand_kv
+from hetero.kernels.attention import causal_attention, expand_kv
 
 
 def zigzag_indices(

@@ -9,6 +9,7 @@ identical rank sets share one group.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -72,6 +73,16 @@ def init_distributed(placement: Placement, backend: str = "auto", timeout_s: flo
         else:
             dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank()
+
+
+def init_single_process(timeout_s: float = 300.0) -> None:
+    """A world of this process alone (gloo over a file store), for single-process runs of the runtime."""
+    if not dist.is_initialized():
+        handle, path = tempfile.mkstemp(prefix="hetero-world-")
+        os.close(handle)
+        os.unlink(path)  # the store creates it
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
 
 
 def _attempt_store(timeout: timedelta) -> dist.Store:

@@ -41,7 +41,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from hetero.cli import _split_config_and_overrides
-    from hetero.config import load_experiment, validate
+    from hetero.config import load_experiment
+    from hetero.graph import build_graph
     from hetero.plan.calibrate import calibrate
     from hetero.plan.cluster import load_cluster
     from hetero.plan.report import format_context, plan_json, plan_row, plot
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError("hetero plan needs --cluster CLUSTER.yaml (or --calibrate OUT.yaml to measure this machine)")
     name, overrides = _split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
-    placement = validate(experiment) if args.as_configured else None
+    placement = build_graph(experiment).placement if args.as_configured else None
     if args.calibrate:
         cluster = calibrate(args.ranks, name=Path(args.calibrate).stem)
         Path(args.calibrate).write_text(cluster.to_yaml())

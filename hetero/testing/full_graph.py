@@ -27,8 +27,8 @@ from hetero.kinds.genezip.objectives import genezip_loss
 from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.video.model import VideoGenerator
 from hetero.kinds.video.objectives import flow_matching_loss, to_model
+from hetero.kinds.video.spec import VideoModule, clip_generator
 from hetero.kinds.vit.model import VisionEncoder
 from hetero.kinds.vit.config import ViTConfig
 
@@ -62,11 +62,6 @@ def merge_rows(text: torch.Tensor, start: int, values: torch.Tensor, rows: torch
     return out
 
 
-def clip_generator(seed: int, step: int, index: int) -> torch.Generator:
-    """The noise of sample ``index``'s clip at ``step``: a function of these alone."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_033 + index)
-
-
 def clip_loss_sum(
     video: nn.Module, config: VideoConfig, clips: torch.Tensor, condition: torch.Tensor, indices: Sequence[int],
     seed: int, step: int,
@@ -95,7 +90,7 @@ class FullGraphModel(nn.Module):
         super().__init__()
         self.configs = configs
         builders = {"vision": lambda: VisionEncoder(configs.vision), "llm": lambda: GPT(configs.llm),
-                    "dna": lambda: GeneZip(configs.dna), "video": lambda: VideoGenerator(configs.video)}
+                    "dna": lambda: GeneZip(configs.dna), "video": lambda: VideoModule(configs.video)}
         for name, offset in SEED_OFFSETS.items():
             torch.manual_seed(seed + offset)
             setattr(self, name, builders[name]())
@@ -116,7 +111,7 @@ class FullGraphModel(nn.Module):
         logits, hidden = self.llm(h, return_hidden=True)
         labels = batch["labels"]
         text = token_loss_sum(logits, labels) / int((labels != -100).sum())
-        video_sum = clip_loss_sum(self.video, configs.video, batch["clips"][clip_rows], hidden[clip_rows],
+        video_sum = clip_loss_sum(self.video.generator, configs.video, batch["clips"][clip_rows], hidden[clip_rows],
                                   batch["index"][clip_rows].tolist(), seed, step)
         return {"text": text, "dna": dna_sum / max(len(dna_rows), 1), "video": video_sum / max(len(clip_rows), 1)}
 

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from hetero.config import CheckpointConfig
 from hetero.errors import ConfigError
 from hetero.train.checkpoint_files import (
     CheckpointError,
@@ -42,15 +43,6 @@ from hetero.train.checkpoint_files import (
     save_local,
     step_dir,
 )
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 0  # save every this many steps, and at the last step (0: never save)
-    keep: int = 2  # complete checkpoints kept; older ones are deleted after each save (0: keep all)
-    async_save: bool = False  # write in a background thread while training goes on
-    resume: str = "auto"  # auto (newest complete checkpoint, if any) | never | a step_* directory
-    dir: str = ""  # "" : <train.run_dir>/<name>/checkpoints
 
 
 class Checkpointable(Protocol):

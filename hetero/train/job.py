@@ -1,47 +1,52 @@
-"""What every training job does around its loop: checks, process groups, checkpoints, fault guard, log.
+"""The one training job, for every graph: checks, process groups, the runtime, the loop, checkpoints.
 
-``start_job`` validates the experiment, finds and verifies the checkpoint to resume from (before any
-process group exists), joins the launcher's world, builds every module's meshes and returns a ``Job``.
-``run_job`` runs a job's loop inside ``job.guard.running()``; the loop resumes with ``job.resume(state)``
-and saves with ``job.checkpoints``.
+``train(experiment)`` checks the experiment and builds its graph, finds and verifies the checkpoint to
+resume from (all before any process group exists), joins the launcher's world, builds the runtime, and
+runs the loop under the fault guard: a training step per batch, a progress line every ``log_every``
+steps (every module's loss, the gradient norm, each communicator's bytes), held-out evaluations every
+``eval_every`` steps and at the end (every module's losses and metrics), checkpoints every
+``checkpoint.every`` steps, and a summary.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
-from hetero.config import ExperimentConfig, validate
-from hetero.parallel.data import GradSync
-from hetero.parallel.mesh import ModuleMesh, build_module_meshes, init_distributed
-from hetero.parallel.placement import Placement
-from hetero.train.checkpoint import Checkpointable, Checkpointer, RunIdentity, check_resumable, resolve_resume
-from hetero.train.faults import FaultGuard, NonFiniteError
-from hetero.train.optim import clip_gradients
+from hetero.config import ExperimentConfig
+from hetero.graph import Graph, build_graph
+from hetero.kinds.registry import KindRegistry
+from hetero.parallel.mesh import init_distributed
+from hetero.runtime import Runtime, build_runtime
+from hetero.train import datasets
+from hetero.train.checkpoint import Checkpointer, RunIdentity, check_resumable, resolve_resume
+from hetero.train.faults import FaultGuard, NonFiniteError, describe_rank
 from hetero.train.run_log import RunLog
 
 
-def run_identity(experiment: ExperimentConfig, placement: Placement) -> RunIdentity:
+def run_identity(experiment: ExperimentConfig, graph: Graph) -> RunIdentity:
     """What a checkpoint of this run records to be resumed safely (see ``check_resumable``)."""
-    modules = experiment.modules
+    nodes = graph.nodes
     return RunIdentity(
-        models={n: {"kind": m.kind, "model": asdict(experiment.model_config(n))} for n, m in modules.items()},
+        models={n: {"kind": node.kind.name, "model": asdict(node.config)} for n, node in nodes.items()},
         data={
             "seed": experiment.seed,
             "batch.global_batch_size": experiment.batch.global_batch_size,
             "train.sample_reuse": experiment.train.sample_reuse,
+            "train.dataset": experiment.train.dataset,
         },
         local={
-            "layouts": {n: asdict(layout) for n, layout in placement.layouts.items()},
+            "layouts": {n: asdict(node.layout) for n, node in nodes.items()},
             "modules": {
-                n: {"parallel": asdict(m.parallel), "compression": asdict(m.compression),
+                n: {"parallel": asdict(node.options), "compression": asdict(node.settings.compression),
                     "micro_batch_size": experiment.micro_batch_size(n)}
-                for n, m in modules.items()
+                for n, node in nodes.items()
             },
             "edges": [asdict(edge) for edge in experiment.edges],
         },
@@ -51,89 +56,131 @@ def run_identity(experiment: ExperimentConfig, placement: Placement) -> RunIdent
 @dataclass
 class Job:
     experiment: ExperimentConfig
-    placement: Placement
-    rank: int
-    meshes: dict[str, ModuleMesh]
+    graph: Graph
+    runtime: Runtime
     checkpoints: Checkpointer
-    resume_from: Path | None
-    same_local: bool
     guard: FaultGuard
     log: RunLog
 
-    def resume(self, state: Checkpointable) -> int:
-        """Load the checkpoint found at start into ``state``; the step to continue after (0: none)."""
-        if self.resume_from is None:
-            return 0
-        step = self.checkpoints.load(state, self.resume_from, self.same_local)
-        self.log.resumed(self.resume_from, step, self.same_local)
-        return step
 
-    def apply_gradients(
-        self, step: int, name: str, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], sync: GradSync | None
-    ) -> float:
-        """A lone module's update: sync gradients over DP, clip them (``train.grad_clip``), then step, or skip
-        the step when the synced norm (the same on every rank) is not finite. Returns the norm."""
-        if sync is not None:
-            sync.sync()
-        norm = clip_gradients(params, self.experiment.train.grad_clip)
-        if math.isfinite(norm):
-            optimizer.step()
-        else:
-            self.check_finite(step, {name: []})
-        return norm
-
-    def check_finite(self, step: int, where: dict[str, list[str]]) -> None:
-        """Log a step skipped for non-finite values (``where``: module -> ranks) and apply the policy."""
-        self.log.skipped(step, where)
-        if self.experiment.train.nonfinite == "stop":
-            raise NonFiniteError(
-                f"step {step}: non-finite loss or gradients in {', '.join(where)}; train.nonfinite=stop ends the "
-                f"job (train.nonfinite=skip skips such steps)"
-            )
-
-
-def run_job(experiment: ExperimentConfig, loop: Callable[[Job], dict[str, float]]) -> dict[str, float]:
-    """Start the job, run its ``loop`` under the fault guard, log the summary and leave the process group."""
-    job = start_job(experiment)
+def train(experiment: ExperimentConfig, registry: KindRegistry | None = None) -> dict[str, float]:
+    """Run the experiment's job on this rank of a launched world; the summary (every rank returns it)."""
+    graph = build_graph(experiment, registry)
+    datasets.check(experiment, graph)
+    cfg = experiment.train
+    run_dir = Path(cfg.run_dir) / experiment.name
+    checkpoints = Checkpointer(cfg.checkpoint, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
+                               run_identity(experiment, graph))
+    resume_from = resolve_resume(cfg.checkpoint, checkpoints.root)
+    same_local = check_resumable(resume_from, checkpoints.identity)[1] if resume_from is not None else True
+    rank = init_distributed(graph.placement, experiment.backend, experiment.timeout_s)
+    runtime = build_runtime(experiment, graph=graph)
+    checkpoints.attach()
+    job = Job(experiment, graph, runtime, checkpoints, FaultGuard(graph.placement, experiment.timeout_s),
+              RunLog(experiment, run_dir, enabled=rank == 0))
     with job.guard.running():
-        summary = loop(job)
+        start = 0
+        if resume_from is not None:
+            start = checkpoints.load(runtime, resume_from, same_local)
+            job.log.resumed(resume_from, start, same_local)
+        summary = _loop(job, start)
     job.log.finish(summary)
     return summary
 
 
-def start_job(experiment: ExperimentConfig) -> Job:
-    placement = validate(experiment)
+def _loop(job: Job, start: int) -> dict[str, float]:
+    experiment, runtime, guard, log = job.experiment, job.runtime, job.guard, job.log
     cfg = experiment.train
-    run_dir = Path(cfg.run_dir) / experiment.name
-    checkpoints = Checkpointer(
-        cfg.checkpoint, Path(cfg.checkpoint.dir or run_dir / "checkpoints"), run_identity(experiment, placement)
-    )
-    resume_from = resolve_resume(cfg.checkpoint, checkpoints.root)
-    same_local = check_resumable(resume_from, checkpoints.identity)[1] if resume_from is not None else True
-    rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
-    meshes = build_module_meshes(placement, experiment.timeout_s)
-    checkpoints.attach()
-    return Job(
-        experiment, placement, rank, meshes, checkpoints, resume_from, same_local,
-        FaultGuard(placement, experiment.timeout_s), RunLog(experiment, run_dir, enabled=rank == 0),
-    )
+    data = datasets.load_splits(experiment, job.graph)
+    train_batches, heldout = data["train"], data["heldout"]
+    started = time.perf_counter()
+    evaluated: dict[str, float] = {}
+    metrics = {"loss": math.nan}
+    for step in range(start + 1, cfg.steps + 1):
+        tick = time.perf_counter()
+        with guard.step(f"step {step}"):
+            metrics = runtime.train_step(train_batches.batch((step - 1) // cfg.sample_reuse))
+        seconds = time.perf_counter() - tick
+        if not metrics["stepped"]:
+            _skipped(job, step)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            speed = {"samples_per_s": experiment.batch.global_batch_size / seconds, "step_s": seconds}
+            log.progress(step, metrics | speed | _residuals(runtime) | _compensation(runtime), communicator_bytes(runtime))
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            with guard.step(f"evaluation at step {step}"):
+                evaluated = evaluate(runtime, heldout, cfg.eval_batches)
+            log.evaluation(step, evaluated, time.perf_counter() - started)
+        if job.checkpoints.due(step, cfg.steps):
+            job.checkpoints.save(runtime, step)
+    job.checkpoints.close()
+    if not evaluated:  # resumed at the last step: nothing left to train
+        evaluated = evaluate(runtime, heldout, cfg.eval_batches)
+    final = {f"final_{key}": value for key, value in metrics.items() if key == "loss" or key.endswith(".loss")}
+    return {"steps": float(cfg.steps), **final, **{f"heldout_{k}": v for k, v in evaluated.items()},
+            "seconds": time.perf_counter() - started}
 
 
-class SingleModule:
-    """The checkpointable state of a job of one module with a plain DP all-reduce: its model and optimizer."""
+def evaluate(runtime: Runtime, heldout: datasets.Batches, max_batches: int = 0) -> dict[str, float]:
+    """Held-out losses and metrics over the first ``max_batches`` full held-out batches (0: all)."""
+    full = (b for b in heldout.ordered_batches() if len(next(iter(b.values()))) == heldout.global_batch_size)
+    return runtime.evaluate(itertools.islice(full, max_batches or None))
 
-    def __init__(self, name: str, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.name, self.model, self.optimizer = name, model, optimizer
-        self.step = 0
 
-    def checkpoint_modules(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
-        return {self.name: (self.model, self.optimizer)}
+def _skipped(job: Job, step: int) -> None:
+    """Log a step skipped for non-finite values and apply ``train.nonfinite``."""
+    where = {m: [describe_rank(job.graph.placement, r) for r in ranks] for m, ranks in job.runtime.nonfinite.items()}
+    job.log.skipped(step, where)
+    if job.experiment.train.nonfinite == "stop":
+        raise NonFiniteError(
+            f"step {step}: non-finite loss or gradients in {', '.join(where)}; train.nonfinite=stop ends the "
+            f"job (train.nonfinite=skip skips such steps)"
+        )
 
-    def local_state(self) -> dict:
-        return {}
 
-    def load_local_state(self, state: dict) -> None:
-        pass
+def communicator_bytes(runtime: Runtime) -> dict[str, int]:
+    """Bytes every rank handed to each communicator so far, summed over the world: each edge per direction
+    (wire bytes: across modules and within replica groups), each module's stage links per direction, each
+    module's gradient sync. Held-out evaluations count too."""
+    names, local = [], []
+    for name, edge in runtime.edges.items():
+        for direction, sent in edge.sent_bytes().items():
+            names.append(f"boundary.{name}.{direction}")
+            local.append(sent)
+    for name, node in runtime.graph.nodes.items():
+        if node.layout.pp > 1:
+            links = runtime.links.get(name)
+            for direction in ("forward", "backward"):
+                names.append(f"pipeline.{name}.{direction}")
+                local.append(links.sent_bytes[direction] if links is not None else 0)
+    for name in runtime.graph.nodes:
+        names.append(f"grad_sync.{name}")
+        module = runtime.modules.get(name)
+        local.append(module.replica_sync.bytes_sent if module is not None else 0)
+    totals = torch.tensor(local, dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(totals)
+    return {name: int(value) for name, value in zip(names, totals.tolist())}
 
-    def reset_local_state(self) -> None:
-        pass
+
+def module_seconds(runtime: Runtime) -> dict[str, float]:
+    """Each module's compute seconds so far (its forwards and backwards), the largest over its ranks."""
+    names = list(runtime.graph.nodes)
+    local = torch.tensor([runtime.module_seconds[n] for n in names], dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return dict(zip(names, local.tolist()))
+
+
+def _residuals(runtime: Runtime) -> dict[str, float]:
+    """Each module's error-feedback residual norm, the largest over its replicas (0 without one)."""
+    names = list(runtime.graph.nodes)
+    local = torch.tensor([runtime.modules[n].replica_sync.residual_norm() if n in runtime.modules else 0.0
+                          for n in names], dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return {f"ef_residual.{n}": float(v) for n, v in zip(names, local.tolist())}
+
+
+def _compensation(runtime: Runtime) -> dict[str, float]:
+    """Bytes held for activation-compression error compensation, the largest on any rank."""
+    local = sum(end.memory_bytes() for end in runtime.edge_ends().values())
+    total = torch.tensor([float(local)], dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return {"ec_memory_bytes": float(total)}

@@ -56,11 +56,10 @@ class RunLog:
         residuals = " ".join(f"{k}={v:.3g}" for k, v in metrics.items() if k.startswith("ef_residual.") and v)
         if metrics.get("ec_memory_bytes"):
             residuals += f" ec_memory={_bytes(metrics['ec_memory_bytes'])}"
-        own = "".join(f" | {key.replace('_', ' ')} {metrics[key]:.4f}" for key in ("text_loss", "dna_loss", "video_loss", "ratio_loss") if key in metrics)
         print(
-            f"step {step:5d} | loss {metrics['loss']:.4f}{own} | {metrics['tokens_per_s']:8.0f} tok/s | "
-            f"{metrics['step_s'] * 1e3:7.1f} ms | grad norm {metrics['grad_norm']:.3f} | {traffic}"
-            + (f" | {residuals.strip()}" if residuals else ""),
+            f"step {step:5d} | loss {metrics['loss']:.4f}{_module_losses(metrics)} | "
+            f"{metrics['samples_per_s']:7.1f} samples/s | {metrics['step_s'] * 1e3:7.1f} ms | "
+            f"grad norm {metrics['grad_norm']:.3f} | {traffic}" + (f" | {residuals.strip()}" if residuals else ""),
             flush=True,
         )
         if self.wandb is not None:
@@ -91,18 +90,20 @@ class RunLog:
         self.history.write(json.dumps({"step": step, "skipped": where}) + "\n")
         self.history.flush()
 
-    def evaluation(self, step: int, accuracy: dict[str, float], seconds: float) -> None:
-        """Held-out accuracies: ``accuracy`` (the digit) and, with a DNA encoder, ``gc_accuracy``; and any
-        held-out losses (keys ending in ``loss``)."""
+    def evaluation(self, step: int, heldout: dict[str, float], seconds: float) -> None:
+        """Held-out figures: the combined ``loss`` and, per module, its loss, parts and metrics
+        (``<module>.<name>``), e.g. ``held-out loss 2.1234 | llm: loss 2.1234, digit accuracy 0.938``."""
         if not self.enabled:
             return
-        shown = f"held-out digit accuracy {accuracy['accuracy']:.3f}"
-        if "gc_accuracy" in accuracy:
-            shown += f", GC-bin accuracy {accuracy['gc_accuracy']:.3f}"
-        shown += "".join(f", {key.replace('_', ' ')} {value:.4f}" for key, value in accuracy.items() if key.endswith("loss"))
-        print(f"step {step:5d} | {shown} | {seconds:.0f} s", flush=True)
+        modules: dict[str, list[str]] = {}
+        for key, value in heldout.items():
+            if "." in key:
+                module, name = key.split(".", 1)
+                modules.setdefault(module, []).append(f"{name.replace('_', ' ')} {value:.4g}")
+        shown = "".join(f" | {module}: {', '.join(parts)}" for module, parts in modules.items())
+        print(f"step {step:5d} | held-out loss {heldout['loss']:.4f}{shown} | {seconds:.0f} s", flush=True)
         if self.wandb is not None:
-            self.wandb.log({f"heldout/{key}": value for key, value in accuracy.items()}, step=step)
+            self.wandb.log({f"heldout/{key}": value for key, value in heldout.items()}, step=step)
 
     def finish(self, summary: dict[str, float]) -> None:
         """Print and log the job's summary, then leave the process group (every rank calls it)."""
@@ -115,3 +116,16 @@ class RunLog:
                       flush=True)
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _module_losses(metrics: dict[str, float]) -> str:
+    """`` | llm loss 1.2345 | dna loss 0.9 (prediction 0.8, ratio 0.1)``: each module's loss when more than
+    one module has one, and every module's named parts."""
+    losses = [key.removesuffix(".loss") for key in metrics if key.endswith(".loss")]
+    shown = ""
+    for module in losses:
+        parts = [f"{key.split('.', 1)[1]} {value:.4f}" for key, value in metrics.items()
+                 if key.startswith(f"{module}.") and key != f"{module}.loss"]
+        if len(losses) > 1 or parts:
+            shown += f" | {module} loss {metrics[f'{module}.loss']:.4f}" + (f" ({', '.join(parts)})" if parts else "")
+    return shown

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.data.genome import BASES
-from hetero.kinds.attention import LocalCausalAttention
+from hetero.kernels.attention import LocalCausalAttention
 from hetero.kinds.genezip.config import GeneZipConfig
 from hetero.kinds.gpt.model import Block, rope_tables
 

@@ -106,6 +106,16 @@ def merge_counts(a: RoutingCounts, b: RoutingCounts) -> RoutingCounts:
     )
 
 
+def region_nats(output: GeneZipOutput, bases: torch.Tensor, regions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-base cross-entropy summed per region of the predicted base (nats, float64) and the count of
+    predictions per region."""
+    losses = F.cross_entropy(output.logits[:, :-1].flatten(0, 1).float(), bases[:, 1:].flatten(), reduction="none")
+    target_regions = regions[:, 1:].flatten()
+    nats = torch.stack([losses[target_regions == r].double().sum() for r in range(len(REGIONS))])
+    counted = torch.stack([(target_regions == r).sum().double() for r in range(len(REGIONS))])
+    return nats, counted
+
+
 @torch.no_grad()
 def heldout_metrics(model: GeneZip, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Over every batch (``bases``, ``regions``): bits per base of next-base prediction, overall and per
@@ -117,13 +127,8 @@ def heldout_metrics(model: GeneZip, batches: Iterable[dict[str, torch.Tensor]]) 
     counts = None
     for batch in batches:
         output = model(batch["bases"])
-        losses = F.cross_entropy(
-            output.logits[:, :-1].flatten(0, 1).float(), batch["bases"][:, 1:].flatten(), reduction="none"
-        )
-        target_regions = batch["regions"][:, 1:].flatten()
-        for r in range(len(REGIONS)):
-            nats[r] += losses[target_regions == r].double().sum()
-            bases[r] += float((target_regions == r).sum())
+        batch_nats, batch_bases = region_nats(output, batch["bases"], batch["regions"])
+        nats, bases = nats + batch_nats.cpu(), bases + batch_bases.cpu()
         batch_counts = routing_counts(output.routings[0], batch["regions"], model.config.routing_window)
         counts = batch_counts if counts is None else merge_counts(counts, batch_counts)
     if counts is None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetero.kinds.attention import CausalAttention
+from hetero.kernels.attention import CausalAttention, merge_heads, split_heads
 from hetero.kinds.gpt.config import GPTConfig
 
 
@@ -38,13 +40,11 @@ class Attention(nn.Module):
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = split_heads(self.wq(x), self.head_dim)
+        k = split_heads(self.wk(x), self.head_dim)
+        v = split_heads(self.wv(x), self.head_dim)
         out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.wo(merge_heads(out))
 
 
 class FeedForward(nn.Module):
@@ -96,14 +96,20 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, return_hidden: bool = False
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        return_hidden: bool = False,
+        inserts: Sequence[tuple[int, torch.Tensor, torch.Tensor]] = (),
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token ids (batch, seq) or embeddings (batch, seq, hidden) on the first stage, hidden states on
         later stages.
 
         ``positions`` are the absolute positions of the sequence this rank holds (needed when the
-        sequence is split, e.g. by context parallelism); by default 0..seq-1. ``return_hidden``: also
-        return the final (normed) hidden states, e.g. for a module conditioned on them.
+        sequence is split, e.g. by context parallelism); by default 0..seq-1. ``inserts``: other modules'
+        embeddings, each ``(start, values, rows)``, replacing positions ``start:start + values.shape[1]``
+        of rows ``rows`` of the token embeddings (placeholders). ``return_hidden``: also return the final
+        (normed) hidden states, e.g. for a module conditioned on them.
         """
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
@@ -112,12 +118,22 @@ class GPT(nn.Module):
         # Float input is already embedded: hidden states from the previous stage, or the first stage's
         # embeddings with other modalities merged in.
         h = x if torch.is_floating_point(x) else self.tok_embeddings(x)  # type: ignore[misc]
+        for start, values, rows in inserts:
+            h = place_rows(h, start, values, rows)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
         out = self.output(h) if self.output is not None else h
         return (out, h) if return_hidden else out
+
+
+def place_rows(h: torch.Tensor, start: int, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``h`` (batch, seq, hidden) with positions ``start:start + values.shape[1]`` of rows ``rows`` replaced
+    by ``values`` (len(rows), tokens, hidden); other rows unchanged. Differentiable in both."""
+    out = h.clone()
+    out[rows, start : start + values.shape[1]] = values.to(h.dtype)
+    return out
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

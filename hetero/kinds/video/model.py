@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetero.kernels.attention import merge_heads, split_heads
 from hetero.kinds.video.config import VideoConfig
 from hetero.kinds.video.memory import FrameMemory, MemoryConfig
 from hetero.kinds.video.router import ImportanceRouter, log_importance
@@ -88,8 +89,7 @@ class FrameAttention(nn.Module):
         self.register_buffer("offsets", patch_offsets(side), persistent=False)
 
     def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, seq, _ = x.shape
-        return tuple(w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))  # type: ignore[return-value]
+        return tuple(split_heads(w(x), self.head_dim) for w in (self.wk, self.wv))  # type: ignore[return-value]
 
     def forward(
         self,
@@ -101,8 +101,7 @@ class FrameAttention(nn.Module):
         """``distances`` (queries, keys) holds each pair's slot distance or ``MASKED``; keys are ``past``
         (cached frames, first) then ``x``'s own tokens; ``bias`` (queries, keys), if given, is added to the
         scores (the learned memory's log-importance). Returns the output and ``x``'s keys and values."""
-        batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = split_heads(self.wq(x), self.head_dim)
         k, v = self.keys_values(x)
         keys, values = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)) if past is not None else (k, v)
         scores = self.distance_bias[distances.clamp(min=0)]
@@ -113,7 +112,7 @@ class FrameAttention(nn.Module):
             scores = scores + bias
         bias = scores.masked_fill(distances == MASKED, float("-inf"))
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias.to(q.dtype))
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1)), (k, v)
+        return self.wo(merge_heads(out)), (k, v)
 
 
 class Block(nn.Module):

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetero.kernels.attention import merge_heads, split_heads
 from hetero.kinds.vit.config import ViTConfig
 
 
@@ -24,11 +25,9 @@ class EncoderAttention(nn.Module):
         self.wo = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
-        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (split_heads(w(x), self.head_dim) for w in (self.wq, self.wk, self.wv))
         out = F.scaled_dot_product_attention(q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.wo(merge_heads(out))
 
 
 class EncoderMLP(nn.Module):

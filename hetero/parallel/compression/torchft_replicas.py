@@ -1,4 +1,4 @@
-"""DiLoCo's outer sync over torchft's fault-tolerant replica groups (``LMTrainer(outer_comm=...)``).
+"""DiLoCo's outer sync over torchft's fault-tolerant replica groups (``Runtime(outer_comms={module: ...})``).
 
 A torchft job is a set of replica groups that a ``LighthouseServer`` gathers into a quorum before every
 outer round; each group has a ``Manager`` whose process group (torchft's reconfigurable ``ProcessGroupGloo``

@@ -1,9 +1,20 @@
-"""Causal self-attention kernels shared by the models (plain, single-process)."""
+"""Attention kernels shared by the models and by context-parallel attention (plain, single-process)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(batch, seq, heads · head_dim) -> (batch, heads, seq, head_dim). The head count comes from the width,
+    so it holds on a TP rank (its share of the heads) and for an empty batch alike."""
+    return x.view(*x.shape[:-1], x.shape[-1] // head_dim, head_dim).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, seq, head_dim) -> (batch, seq, heads · head_dim)."""
+    return x.transpose(1, 2).flatten(2)
 
 
 def expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

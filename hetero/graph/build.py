@@ -1,0 +1,236 @@
+"""Check an experiment and build its module graph, before any process group exists.
+
+Everything a run could trip over later is refused here with the field, the numbers and the fix: unknown
+kinds, model sizes a layout cannot split, placements that leave ranks idle, batches that do not divide,
+edges naming no module or no port, widths that differ across an edge, cycles, a module no edge reaches,
+an input nothing feeds, and settings the runtime does not support yet.
+"""
+
+from __future__ import annotations
+
+from hetero.config import ExperimentConfig
+from hetero.errors import ConfigError
+from hetero.graph.graph import Edge, Graph, Node
+from hetero.kinds import default_registry
+from hetero.kinds.registry import KindRegistry
+from hetero.parallel.placement import place
+
+SCHEDULES = ("auto", "phased", "graph_pipeline")
+
+
+def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = None) -> Graph:
+    """The experiment's graph of modules and edges; ``ConfigError`` listing every problem found."""
+    registry = registry or default_registry()
+    _check_names(experiment, registry)
+    placement = place(
+        {name: module.layout for name, module in experiment.modules.items()}, experiment.world_size, experiment.placement
+    )
+    nodes = {
+        name: Node(name, i, registry[module.kind], experiment.model_config(name, registry), placement.layouts[name], module)
+        for i, (name, module) in enumerate(experiment.modules.items())
+    }
+    errors: list[str] = []
+    for node in nodes.values():
+        errors += node.kind.errors(node.name, node.config, node.layout, node.options)
+        errors += node.options.errors(node.name)
+        errors += node.settings.compression.errors(node.name, node.layout.cp, node.options.fsdp)
+        width = getattr(node.config, "hidden_size", 0)
+        errors += node.settings.compression.pipeline.errors(f"{node.name}.compression.pipeline", experiment.train.sample_reuse, width)
+    errors += _batch_errors(experiment, placement)
+    errors += _train_errors(experiment)
+    edges, edge_errors = _edges(experiment, nodes)
+    errors += edge_errors
+    if errors:
+        raise ConfigError("\n".join(errors))
+    order = _topological_order(list(nodes), edges)
+    _check_connected(nodes, edges)
+    schedule = _schedule(experiment, placement)
+    return Graph(nodes, tuple(edges), order, placement, schedule)
+
+
+def _check_names(experiment: ExperimentConfig, registry: KindRegistry) -> None:
+    for name, module in experiment.modules.items():
+        if module.kind not in registry:
+            raise ConfigError(
+                f"{name}.kind={module.kind!r} is not a known module kind; use one of {', '.join(registry.names())} "
+                f"(or register yours: hetero.kinds.KindRegistry.register, entry point group hetero.kinds)"
+            )
+    for i, edge in enumerate(experiment.edges):
+        for end in ("src", "dst"):
+            if getattr(edge, end) not in experiment.modules:
+                raise ConfigError(
+                    f"edges[{i}].{end}={getattr(edge, end)!r} names no module; modules are "
+                    f"{', '.join(experiment.modules) or 'none'}"
+                )
+        if edge.src == edge.dst:
+            raise ConfigError(f"edges[{i}] connects {edge.src} to itself; an edge joins two modules")
+    if experiment.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"backend={experiment.backend!r} is not one of auto, gloo, nccl")
+    if experiment.timeout_s <= 0:
+        raise ConfigError(f"timeout_s={experiment.timeout_s} must be > 0")
+    if experiment.schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={experiment.schedule!r} is not one of {', '.join(SCHEDULES)}")
+
+
+def _batch_errors(experiment: ExperimentConfig, placement) -> list[str]:
+    batch, errors = experiment.batch, []
+    if batch.global_batch_size < 1 or batch.micro_batch_size < 1:
+        return [f"batch.global_batch_size={batch.global_batch_size} and batch.micro_batch_size="
+                f"{batch.micro_batch_size} must be >= 1"]
+    for name, layout in placement.layouts.items():
+        mbs = experiment.micro_batch_size(name)
+        if mbs < 1:
+            errors.append(f"{name}.micro_batch_size={mbs} must be >= 1")
+        elif batch.global_batch_size % (layout.dp * mbs):
+            errors.append(
+                f"batch.global_batch_size={batch.global_batch_size} is not divisible by {name}'s "
+                f"dp*micro_batch_size = {layout.dp}*{mbs} = {layout.dp * mbs}; use a global batch "
+                f"that is a multiple of {layout.dp * mbs}"
+            )
+    if errors:
+        return errors
+    counts = {n: experiment.num_microbatches(n, l.dp) for n, l in placement.layouts.items()}
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(
+            f"{n}: {batch.global_batch_size}/({placement.layouts[n].dp}*{experiment.micro_batch_size(n)}) = {c}"
+            for n, c in counts.items()
+        )
+        errors.append(
+            f"modules split the global batch into different numbers of microbatches ({listed}); "
+            f"set each module's micro_batch_size so that global_batch_size/(dp*micro_batch_size) agree"
+        )
+    return errors
+
+
+def _train_errors(experiment: ExperimentConfig) -> list[str]:
+    train, errors = experiment.train, []
+    if train.sample_reuse < 1:
+        errors.append(f"train.sample_reuse={train.sample_reuse} must be >= 1 (1: a fresh batch every step)")
+    if train.wandb not in ("offline", "disabled"):
+        errors.append(f"train.wandb={train.wandb!r} is not one of offline, disabled")
+    if train.steps < 1:
+        errors.append(f"train.steps={train.steps} must be >= 1")
+    for key, allowed in (("nonfinite", ("skip", "stop")), ("bad_shards", ("error", "skip"))):
+        if getattr(train, key) not in allowed:
+            errors.append(f"train.{key}={getattr(train, key)!r} is not one of {', '.join(allowed)}")
+    checkpoint = train.checkpoint
+    if checkpoint.every < 0 or checkpoint.keep < 0:
+        errors.append(f"train.checkpoint.every={checkpoint.every} and train.checkpoint.keep={checkpoint.keep} must be >= 0")
+    return errors
+
+
+def _port(ports: dict, chosen: str, module: str, what: str, field: str) -> tuple[str | None, str | None]:
+    """The port an edge end names (or the module's only one), or an error."""
+    if chosen:
+        if chosen not in ports:
+            return None, f"{field}={chosen!r} is not one of {module}'s {what}s: {', '.join(ports) or 'none'}"
+        return chosen, None
+    if len(ports) == 1:
+        return next(iter(ports)), None
+    if not ports:
+        verb = "produces nothing another module can take" if what == "output" else "takes nothing from other modules"
+        return None, f"{module} {verb}; remove the edge"
+    return None, f"{module} has {what}s {', '.join(ports)}; name one with {field}"
+
+
+def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[Edge], list[str]]:
+    edges, errors, seen = [], [], set()
+    offsets: dict[tuple[str, str], int] = {}
+    for i, config in enumerate(experiment.edges):
+        src, dst = nodes[config.src], nodes[config.dst]
+        where = f"edges[{i}] ({src.name} -> {dst.name})"
+        outputs, inputs = src.kind.outputs(src.config), dst.kind.inputs(dst.config)
+        output, problem = _port(outputs, config.output, src.name, "output", f"edges[{i}].output")
+        if problem:
+            errors.append(f"{where}: {problem}")
+        port_in, problem = _port(inputs, config.input, dst.name, "input", f"edges[{i}].input")
+        if problem:
+            errors.append(f"{where}: {problem}")
+        if output is None or port_in is None:
+            continue
+        sent, taken = outputs[output], inputs[port_in]
+        if (src.name, dst.name, output, port_in) in seen:
+            errors.append(f"{where}: the same output already feeds the same input; remove the duplicate")
+        seen.add((src.name, dst.name, output, port_in))
+        if sent.width != taken.width:
+            fix = (f"set {dst.name}.model.{taken.field}={sent.width}" if taken.width == 0 or not sent.field
+                   else f"set {src.name}.model.{sent.field}={taken.width}")
+            errors.append(
+                f"{where}: {src.name} hands on width {sent.width} ({src.name}.model.{sent.field or output}) but "
+                f"{dst.name}.model.{taken.field or port_in}={taken.width}; {fix}"
+            )
+        for module in (src, dst):
+            if module.layout.cp > 1 or module.options.sequence_parallel:
+                errors.append(
+                    f"{where}: edges carry whole sequences, so {module.name} runs with cp=1 and sequence_parallel="
+                    f"false here (got cp={module.layout.cp}, sequence_parallel={module.options.sequence_parallel})"
+                )
+        offset = 0
+        if taken.placeholders:
+            offset = offsets.get((dst.name, port_in), 0)
+            offsets[(dst.name, port_in)] = offset + sent.tokens
+            capacity = getattr(dst.config, "seq_len", None)
+            if capacity is not None and offset + sent.tokens > capacity:
+                errors.append(
+                    f"{where}: {dst.name}'s placeholders end at position {offset + sent.tokens} (the edges into it "
+                    f"hold {offset + sent.tokens} tokens in edge order) beyond {dst.name}.model.seq_len={capacity}"
+                )
+        elif src.kind.modality not in (None, dst.kind.modality):
+            errors.append(
+                f"{where}: {dst.name} needs its {port_in} on every row it processes (rows with {dst.kind.modality}), "
+                f"but {src.name} only processes rows with {src.kind.modality}"
+            )
+        errors += config.compression.errors(f"edges[{i}].compression", experiment.train.sample_reuse, sent.width)
+        edges.append(Edge(i, src.name, dst.name, output, port_in, sent.tokens or 0, sent.width, taken.placeholders,
+                          offset, config.compression))
+    for node in nodes.values():
+        for port, spec in node.kind.inputs(node.config).items():
+            feeding = [e for e in edges if e.dst == node.name and e.input == port]
+            if not spec.placeholders and spec.width and len(feeding) != 1:
+                fix = "add an edge into it or configure the model without it" if not feeding else "keep one"
+                errors.append(f"{node.name}: its input {port} takes exactly one edge, got {len(feeding)}; {fix}")
+    return edges, errors
+
+
+def _topological_order(names: list[str], edges: list[Edge]) -> tuple[str, ...]:
+    order, state = [], dict.fromkeys(names, 0)  # 0 unseen, 1 on the path, 2 done
+
+    def visit(name: str, path: list[str]) -> None:
+        if state[name] == 2:
+            return
+        if state[name] == 1:
+            cycle = path[path.index(name):] + [name]
+            raise ConfigError(f"edges form a cycle {' -> '.join(cycle)}; a module graph must be acyclic")
+        state[name] = 1
+        for edge in edges:
+            if edge.dst == name:
+                visit(edge.src, path + [name])
+        state[name] = 2
+        order.append(name)
+
+    for name in names:
+        visit(name, [])
+    return tuple(order)
+
+
+def _check_connected(nodes: dict[str, Node], edges: list[Edge]) -> None:
+    if len(nodes) < 2:
+        return
+    joined = {e.src for e in edges} | {e.dst for e in edges}
+    alone = [name for name in nodes if name not in joined]
+    if alone:
+        raise ConfigError(
+            f"module {alone[0]} is joined to no other module; add an edge from or to it (edges: [{{src: ..., dst: "
+            f"{alone[0]}}}]) or remove it"
+        )
+
+
+def _schedule(experiment: ExperimentConfig, placement) -> str:
+    if experiment.schedule == "auto":
+        return "graph_pipeline" if placement.mode == "non_colocated" and len(placement.layouts) > 1 else "phased"
+    if experiment.schedule == "graph_pipeline" and placement.mode != "non_colocated":
+        raise ConfigError(
+            f"schedule=graph_pipeline runs each rank as one stage of one module, but the placement is "
+            f"{placement.mode} (modules share ranks); use schedule=phased or give modules disjoint ranks"
+        )
+    return experiment.schedule

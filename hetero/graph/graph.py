@@ -1,0 +1,73 @@
+"""A module graph: the modules of an experiment, each of a kind under its own layout, and the edges that
+carry tensors between them. Built and checked by ``hetero.graph.build.build_graph``; pure data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hetero.config import ModuleConfig
+from hetero.kinds.registry import Kind
+from hetero.parallel.compression.edge_config import EdgeCompressionConfig
+from hetero.parallel.layout import Layout
+from hetero.parallel.placement import Placement
+
+
+@dataclass(frozen=True)
+class Node:
+    """One module: its kind, typed model config, layout and settings (``parallel``, ``optim``, ...)."""
+
+    name: str
+    index: int  # declaration order: the module's weights are drawn from seed + index
+    kind: Kind
+    config: Any
+    layout: Layout
+    settings: ModuleConfig
+
+    @property
+    def options(self):
+        return self.settings.parallel
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Rows of ``src``'s output ``output`` cross into ``dst``'s input ``input``: per row a
+    ``(tokens, width)`` tensor; into placeholders it lands at ``offset`` of the destination's sequence.
+    The rows it carries are those both modules process."""
+
+    index: int
+    src: str
+    dst: str
+    output: str
+    input: str
+    tokens: int
+    width: int
+    placeholders: bool
+    offset: int
+    compression: EdgeCompressionConfig
+
+    @property
+    def name(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+
+@dataclass(frozen=True)
+class Graph:
+    nodes: dict[str, Node]
+    edges: tuple[Edge, ...]
+    order: tuple[str, ...]  # every module after the modules that feed it
+    placement: Placement
+    schedule: str  # phased | graph_pipeline
+
+    def in_edges(self, name: str) -> list[Edge]:
+        return [e for e in self.edges if e.dst == name]
+
+    def out_edges(self, name: str) -> list[Edge]:
+        return [e for e in self.edges if e.src == name]
+
+    def is_sink(self, name: str) -> bool:
+        return not self.out_edges(name)
+
+    def depth_after(self, name: str) -> int:
+        """Pipeline stages on the longest path from ``name``'s last stage to a sink (its own excluded)."""
+        return max((self.nodes[e.dst].layout.pp + self.depth_after(e.dst) for e in self.out_edges(name)), default=0)

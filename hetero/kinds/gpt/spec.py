@@ -1,0 +1,101 @@
+"""The ``gpt`` kind: a decoder-only LLM reading token ids, with other modules' embeddings at placeholder
+positions, trained on next-token cross-entropy.
+
+- reads ``tokens`` and ``labels`` of every row; in evaluation also every ``*_position`` column present
+  (e.g. ``digit_position``), whose next-token accuracy it reports as ``<name>_accuracy``;
+- input ``embeddings`` (width ``hidden_size``): any number of edges, each replacing placeholder positions
+  of the rows it carries;
+- output ``hidden`` (``seq_len`` × ``hidden_size``): the final (normed) hidden states of its rows, e.g. a
+  generator's condition;
+- loss: the cross-entropy summed over the tokens a rank holds, over the global count of supervised tokens.
+
+Under context parallelism each rank holds the zigzag chunks of its CP coordinate (tokens, labels and
+their absolute positions); under TP the loss is computed vocab-parallel (``loss_parallel``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from hetero.data.digits import IGNORE_INDEX
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.plan import parallelize_gpt
+from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
+from hetero.parallel.context import split_for_cp, zigzag_indices
+from hetero.parallel.mesh import ModuleMesh
+
+
+class GPTKind(Kind):
+    name = "gpt"
+    config = GPTConfig
+
+    def build(self, config: GPTConfig) -> GPT:
+        return GPT(config)
+
+    def parallelize(self, model, mesh, options):
+        return parallelize_gpt(model, mesh, options)
+
+    def data_keys(self, config: GPTConfig) -> tuple[str, ...]:
+        return ("tokens", "labels")
+
+    def evaluation_keys(self, available) -> tuple[str, ...]:
+        return tuple(key for key in available if key.endswith("_position"))
+
+    def metric_names(self, config: GPTConfig, available) -> list[tuple[str, str]]:
+        return [(key.removesuffix("_position") + "_accuracy", "mean") for key in self.evaluation_keys(available)]
+
+    def inputs(self, config: GPTConfig) -> dict[str, Port]:
+        return {"embeddings": Port(config.hidden_size, placeholders=True, field="hidden_size")}
+
+    def outputs(self, config: GPTConfig) -> dict[str, Port]:
+        return {"hidden": Port(config.hidden_size, tokens=config.seq_len, field="hidden_size")}
+
+    def loss_count(self, columns: dict[str, torch.Tensor]) -> int:
+        return int((columns["labels"] != IGNORE_INDEX).sum())
+
+    def compute(self, mesh: ModuleMesh) -> ContextManager:
+        return loss_parallel() if mesh.layout.tp > 1 else contextlib.nullcontext()
+
+    def stage(self, model: GPT, step: StageStep) -> StageResult:
+        mesh, data = step.mesh, step.data
+        cp, cp_rank = mesh.layout.cp, mesh.coord.cp
+        tokens, labels = data["tokens"], data["labels"]
+        seq_len = tokens.shape[1]
+        # The absolute positions of the tokens this rank holds (its zigzag chunks under CP), for RoPE.
+        positions = torch.arange(seq_len, device=step.device)
+        if cp > 1:
+            tokens, labels = split_for_cp(tokens, 1, cp, cp_rank), split_for_cp(labels, 1, cp, cp_rank)
+            positions = zigzag_indices(seq_len, cp, cp_rank, device=step.device)
+        x = tokens if mesh.is_first_stage else step.activation
+        inserts = [(arrival.offset, arrival.tensor, arrival.positions) for arrival in step.inputs]
+        if not mesh.is_last_stage:
+            return StageResult(activation=model(x, positions, inserts=inserts))
+        logits, hidden = model(x, positions, return_hidden=True, inserts=inserts)
+        result = StageResult(outputs={"hidden": hidden}, loss=token_loss_sum(logits, labels))
+        if not step.training:
+            for key in self.evaluation_keys(data):
+                result.metrics[key.removesuffix("_position") + "_accuracy"] = _position_accuracy(
+                    logits, labels, data[key], positions, seq_len
+                )
+        return result
+
+
+def _position_accuracy(
+    logits: torch.Tensor, labels: torch.Tensor, wanted: torch.Tensor, local: torch.Tensor, seq_len: int
+) -> Metric:
+    """Next-token accuracy at one position per row (``wanted``, global; -1 or an unsupervised label: not
+    evaluated), counted on the rank whose sequence chunk holds it."""
+    full = logits.full_tensor() if isinstance(logits, DTensor) else logits  # a TP collective
+    where = torch.full((seq_len,), -1, dtype=torch.long, device=local.device)
+    where[local] = torch.arange(len(local), device=local.device)
+    index = where[wanted.clamp(min=0)]
+    rows = torch.nonzero((wanted >= 0) & (index >= 0)).flatten()
+    rows = rows[labels[rows, index[rows]] != IGNORE_INDEX]
+    hits = (full[rows, index[rows]].argmax(-1) == labels[rows, index[rows]]).sum()
+    return Metric(hits.double(), torch.tensor(float(len(rows)), dtype=torch.float64, device=local.device))

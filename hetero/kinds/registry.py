@@ -1,0 +1,185 @@
+"""Module kinds and the registry a graph's ``kind:`` names are looked up in.
+
+A kind is what the runtime needs to train a module of it, whatever graph it sits in:
+
+- ``config``: the dataclass of its ``model:`` block; its ``errors(module, layout, options)`` lists what a
+  layout cannot run;
+- ``build(config)``: the pure ``nn.Module``; ``parallelize(model, mesh, options)``: its plan (TP, CP,
+  the pipeline stage's part, checkpointing, FSDP2);
+- ``modality``: the presence flag (``has_<modality>`` in a batch) of the rows it processes, or None for
+  every row; ``data_keys``: the batch columns it reads (``evaluation_keys``: more, in evaluation);
+- ``inputs`` / ``outputs``: the tensors it consumes from and produces for other modules (``Port``);
+- ``stage(model, step)``: one microbatch on this rank's pipeline stage (``StageStep`` in,
+  ``StageResult`` out): the activation for the next stage, or on the last stage its outputs, its loss
+  as sums over the rows it holds, and in evaluation its metrics;
+- ``loss_count(columns)``: the global divisor of those sums (rows, or supervised tokens).
+
+User code registers its own kinds the same way (``registry.register(MyKind())``), or ships them as an
+entry point in the group ``hetero.kinds`` that ``default_registry()`` loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Iterable
+
+import torch
+from torch import nn
+
+from hetero.errors import ConfigError
+from hetero.parallel.layout import Layout
+from hetero.parallel.mesh import ModuleMesh
+from hetero.parallel.options import ParallelOptions
+
+ENTRY_POINT_GROUP = "hetero.kinds"
+
+
+@dataclass(frozen=True)
+class Port:
+    """A tensor that crosses an edge, per row: ``(tokens, width)``.
+
+    An input with ``placeholders`` takes embeddings into placeholder positions of the module's sequence:
+    any number of edges may feed it, each at its own offset, and rows without the modality keep the
+    placeholders. Without, the input is the module's condition: one edge, on every row it processes;
+    ``tokens`` None accepts any count.
+    """
+
+    width: int
+    tokens: int | None = None
+    placeholders: bool = False
+    field: str = ""  # the model field that sets the width (named in errors); an input of width 0 is off
+
+
+@dataclass
+class Arrival:
+    """One edge's tensor on the destination's first stage: ``tensor`` (rows, tokens, width) holds the
+    rows ``positions`` of the stage's microbatch (indices into its local rows), to place at ``offset``."""
+
+    port: str
+    tensor: torch.Tensor
+    positions: torch.Tensor
+    offset: int
+
+
+@dataclass
+class StageStep:
+    """What a kind's ``stage`` gets for one microbatch on this rank."""
+
+    config: Any
+    mesh: ModuleMesh
+    options: ParallelOptions
+    device: torch.device
+    data: dict[str, torch.Tensor]  # this replica's rows of the kind's data_keys (and evaluation_keys), on device
+    host: dict[str, torch.Tensor]  # the same columns on the host, for what runs there (e.g. seeding by index)
+    rows: torch.Tensor  # their indices in the global batch (host)
+    inputs: list[Arrival]  # the first stage's arrivals from other modules, in edge order
+    activation: torch.Tensor | None  # a later stage's input from the previous stage
+    training: bool
+    step: int  # the optimizer step (0-based)
+    seed: int
+
+
+@dataclass
+class Metric:
+    """An evaluation figure as a world-wide reduction of per-rank parts: ``value / count`` summed over
+    ranks (``mean``), or the smallest ``value`` (``min``)."""
+
+    value: torch.Tensor
+    count: torch.Tensor | None = None
+    reduce: str = "mean"
+
+
+@dataclass
+class StageResult:
+    activation: torch.Tensor | None = None  # to the next stage (every stage but the last)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the last stage's, per port
+    loss: torch.Tensor | None = None  # the last stage's loss: a sum over its rows
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # named terms of the loss, sums, to report
+    metrics: dict[str, Metric] = field(default_factory=dict)  # evaluation only
+
+
+class Kind:
+    """The base of every module kind (see the module docstring); subclass it and register an instance."""
+
+    name: str = ""
+    config: type = object
+    modality: str | None = None
+
+    def build(self, config: Any) -> nn.Module:
+        raise NotImplementedError
+
+    def parallelize(self, model: nn.Module, mesh: ModuleMesh, options: ParallelOptions) -> nn.Module:
+        return model
+
+    def data_keys(self, config: Any) -> tuple[str, ...]:
+        return ()
+
+    def evaluation_keys(self, available: Iterable[str]) -> tuple[str, ...]:
+        """Columns of ``available`` it also reads in evaluation, when a batch has them."""
+        return ()
+
+    def inputs(self, config: Any) -> dict[str, Port]:
+        return {}
+
+    def outputs(self, config: Any) -> dict[str, Port]:
+        return {}
+
+    def errors(self, module: str, config: Any, layout: Layout, options: ParallelOptions) -> list[str]:
+        return config.errors(module, layout, options) if hasattr(config, "errors") else []
+
+    def has_loss(self, config: Any) -> bool:
+        return True
+
+    def loss_parts(self, config: Any) -> tuple[str, ...]:
+        """Names of the terms ``stage`` reports besides the loss (``StageResult.parts``)."""
+        return ()
+
+    def metric_names(self, config: Any, available: Iterable[str]) -> list[tuple[str, str]]:
+        """(name, reduce) of each evaluation metric ``stage`` reports for a batch with columns ``available``."""
+        return []
+
+    def loss_count(self, columns: dict[str, torch.Tensor]) -> int:
+        """The divisor of the loss sums over the global batch (``columns``: the module's rows of it)."""
+        return len(next(iter(columns.values()))) if columns else 0
+
+    def stage(self, model: nn.Module, step: StageStep) -> StageResult:
+        raise NotImplementedError
+
+    def compute(self, mesh: ModuleMesh) -> ContextManager:
+        """The context every forward and backward of the module runs in (e.g. loss parallelism)."""
+        return contextlib.nullcontext()
+
+
+class KindRegistry:
+    """Kinds by name; a graph's modules name theirs with ``kind:``. Duplicates are refused."""
+
+    def __init__(self, kinds: Iterable[Kind] = ()) -> None:
+        self._kinds: dict[str, Kind] = {}
+        for kind in kinds:
+            self.register(kind)
+
+    def register(self, kind: Kind) -> Kind:
+        """Add ``kind`` (an instance; also usable as a class decorator, which registers ``cls()``)."""
+        if isinstance(kind, type):
+            self.register(kind())
+            return kind
+        if not kind.name or kind.name in self._kinds:
+            reason = "has no name" if not kind.name else f"{kind.name!r} is already registered"
+            raise ConfigError(f"cannot register kind {type(kind).__name__}: {reason}")
+        self._kinds[kind.name] = kind
+        return kind
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._kinds
+
+    def __getitem__(self, name: str) -> Kind:
+        if name not in self._kinds:
+            raise ConfigError(f"kind {name!r} is not registered; known kinds: {', '.join(self._kinds)}")
+        return self._kinds[name]
+
+    def names(self) -> list[str]:
+        return list(self._kinds)
+
+    def copy(self) -> KindRegistry:
+        return KindRegistry(self._kinds.values())

@@ -1,0 +1,320 @@
+"""A boundary's messages on the wire: batched point-to-point rounds, pairing headers, errors, counters.
+
+Every call sends, on each crossing link, a call header (magic, the boundary's digest and name, direction,
+per-direction call number: the same length for every boundary) and a shape header (dtype and global shape
+per tensor, then the rows each side's DP replicas hold). The receiver checks them before anything else
+and raises ``BoundaryError`` naming the boundary, both ranks and the difference: another shape, a skipped
+call, a forward meeting a backward, or, on a shared group, a call to another boundary (on separate groups
+that one shows up as the timeout). Payloads travel on a tag derived from the call's signature, posted
+alongside the headers, so a mismatched call can never deliver a message of the wrong size (which gloo
+answers by aborting the process, measured). A dead peer or a missing call raises within the group's
+timeout (gloo honours it for send and receive). NCCL ignores tags and completes a batch as a whole, so
+there a mismatched call surfaces as NCCL's own error or the timeout.
+
+Bytes are counted per direction, split into cross-module (between different processes across the
+boundary), intra-module (completion within replica groups) and local copies (no wire); headers apart.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Literal, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hetero.parallel.boundary_plan import SUPPORTED_DTYPES, Entry, Messages, TensorSpec
+
+Direction = Literal["forward", "backward"]
+DIRECTIONS: tuple[Direction, ...] = ("forward", "backward")
+HEADER_MAGIC = 0x6865746572  # "heter"
+HEADER_TAG = 1  # call headers of every boundary share this tag: a call to another boundary is named
+NAME_BYTES = 64  # a boundary's name travels in its call header, cut to this many bytes
+COUNTER_KINDS = (
+    "calls",
+    "rounds",
+    "cross_sent_bytes",
+    "cross_recv_bytes",
+    "intra_sent_bytes",
+    "intra_recv_bytes",
+    "local_copy_bytes",
+    "header_sent_bytes",
+    "header_recv_bytes",
+)
+
+
+class BoundaryError(RuntimeError):
+    """A boundary call failed: mismatched calls on the two sides, a dead peer, or a timeout."""
+
+
+@dataclass
+class Message:
+    peer: int
+    buffer: torch.Tensor
+    kind: Literal["cross", "intra", "header"]
+    tag: int
+
+
+@dataclass
+class PostedSends:
+    """A round of sends posted and not yet waited: its messages keep their buffers alive."""
+
+    direction: Direction
+    call: int
+    started: float
+    messages: list[Message]
+    works: list[dist.Work]
+
+
+@dataclass
+class Header:
+    """What one call tells its peers: ``call`` has a fixed length on every boundary (magic, digest,
+    direction, call number, name), so any boundary's header fits any receiver; ``shapes`` (per tensor:
+    dtype code, global shape; then the DP rows of both sides) travels on the boundary's own tag and is
+    read only once the call header matched."""
+
+    call: torch.Tensor
+    shapes: torch.Tensor
+
+
+def message_tag(text: str) -> int:
+    """A message tag from a text: 2 .. 2**31-1 (0 is torch's default, 1 is ``HEADER_TAG``)."""
+    return 2 + zlib.crc32(text.encode()) % (2**31 - 2)
+
+
+class Wire:
+    """One boundary's traffic from this rank: rounds of batched P2P messages, headers, byte counters."""
+
+    def __init__(
+        self,
+        name: str,
+        digest: int,
+        group: dist.ProcessGroup,
+        specs: Mapping[str, TensorSpec],
+        row_words: int,
+        device: torch.device,
+        timeout_s: float,
+        role: Callable[[int], str],
+    ) -> None:
+        """``row_words``: how many int64 words the DP rows of both sides take in the shape header."""
+        self.name, self.digest, self.group, self.specs = name, digest, group, dict(specs)
+        self.row_words, self.device, self.timeout_s, self.role = row_words, device, timeout_s, role
+        self.rank = dist.get_rank()
+        self.posted: list[PostedSends] = []
+        self.counters: dict[str, int] = {}
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.counters = {f"{d}.{kind}": 0 for d in DIRECTIONS for kind in COUNTER_KINDS}
+
+    def count(self, direction: Direction, kind: str, amount: int) -> None:
+        self.counters[f"{direction}.{kind}"] += amount
+
+    # ----------------------------------------------------------------------------------- rounds
+
+    def crossing(
+        self,
+        direction: Direction,
+        call: int,
+        tag: int,
+        out: Messages,
+        into: Messages,
+        values: Callable[[Entry], torch.Tensor],
+        header: Header,
+        header_to: set[int],
+        header_from: set[int],
+        defer: bool,
+    ) -> dict[int, torch.Tensor]:
+        """The round across the boundary, with the pairing headers on its links; returns what arrived.
+
+        Payload receives are posted together with the header receives, not after the check: their tag
+        encodes the call's signature, so only a matching call's payload can land in them. With ``defer``
+        a rank that only sends here leaves its sends to ``wait_sends``."""
+        arriving = {peer: self.buffer(entries) for peer, entries in into.items()}
+        sends = [Message(peer, pack(entries, values), "cross", tag) for peer, entries in out.items()]
+        sends += [m for peer in sorted(header_to) for m in self.header_messages(peer, header)]
+        headers = {peer: self.empty_header() for peer in sorted(header_from)}
+        recvs = [m for peer, h in headers.items() for m in self.header_messages(peer, h)]
+        recvs += [Message(peer, buffer, "cross", tag) for peer, buffer in arriving.items()]
+        self.round(direction, call, sends, recvs, lambda m: self.check_header(m, headers[m.peer], header), defer)
+        return arriving
+
+    def exchange(
+        self,
+        direction: Direction,
+        call: int,
+        tag: int,
+        out: Messages,
+        into: Messages,
+        values: Callable[[Entry], torch.Tensor],
+        sink: Callable[[Entry, torch.Tensor], None],
+    ) -> None:
+        """One round inside a module: send ``out`` entries, receive ``into`` entries into ``sink``."""
+        buffers = {peer: self.buffer(entries) for peer, entries in into.items()}
+        sends = [Message(peer, pack(entries, values), "intra", tag) for peer, entries in out.items()]
+        recvs = [Message(peer, buffer, "intra", tag) for peer, buffer in buffers.items()]
+        self.round(direction, call, sends, recvs)
+        for peer, entries in into.items():
+            unpack(buffers[peer], entries, sink)
+
+    def round(
+        self,
+        direction: Direction,
+        call: int,
+        sends: list[Message],
+        recvs: list[Message],
+        on_header: Callable[[Message], None] | None = None,
+        defer: bool = False,
+    ) -> None:
+        """Post one round's messages as one batch; each header received goes to ``on_header`` first.
+        With ``defer``, a round that only sends returns once posted; ``wait_sends`` waits for it."""
+        if not sends and not recvs:
+            return
+        ops = [self._op(dist.isend, m) for m in sends] + [self._op(dist.irecv, m) for m in recvs]
+        works = dist.batch_isend_irecv(ops)
+        self.count(direction, "rounds", 1)
+        started = time.monotonic()
+        if defer and not recvs:
+            self.posted.append(PostedSends(direction, call, started, sends, works))
+        else:
+            posted = list(zip(sends + recvs, [False] * len(sends) + [True] * len(recvs), works))
+            # Call headers first, then shape headers, then the rest: the most telling mismatch is raised.
+            for message, is_recv, work in sorted(posted, key=lambda item: _wait_order(*item[:2])):
+                self.wait(work, message, is_recv, direction, call, started)
+                if is_recv and message.kind == "header" and on_header is not None:
+                    on_header(message)
+        for messages, side in ((sends, "sent"), (recvs, "recv")):
+            for message in messages:
+                self.count(direction, f"{message.kind}_{side}_bytes", message.buffer.numel() * message.buffer.element_size())
+
+    def wait_sends(self) -> None:
+        """Wait for every deferred send, oldest first; a failed one raises ``BoundaryError``."""
+        while self.posted:
+            posted = self.posted.pop(0)
+            for message, work in zip(posted.messages, posted.works):
+                self.wait(work, message, False, posted.direction, posted.call, posted.started)
+
+    def wait(self, work: dist.Work, message: Message, is_recv: bool, direction: Direction, call: int,
+             started: float) -> None:
+        try:
+            work.wait()
+        except RuntimeError as error:
+            cause = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])
+            action = "receiving from" if is_recv else "sending to"
+            raise BoundaryError(
+                f"boundary {self.name!r}: {direction} call #{call}: rank {self.rank} "
+                f"({self.role(self.rank)}) failed {action} rank {message.peer} ({self.role(message.peer)}) "
+                f"after {time.monotonic() - started:.1f} s (timeout {self.timeout_s:g} s): {cause}. The peer "
+                f"is dead or stuck, or the two sides made different calls (another boundary, another shape, "
+                f"or a call made on one side only)"
+            ) from error
+
+    def buffer(self, entries: list[Entry]) -> torch.Tensor:
+        nbytes = sum((e.stop - e.start) * e.piece.dtype.itemsize for e in entries)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _op(self, op: Callable, message: Message) -> dist.P2POp:
+        return dist.P2POp(op, message.buffer, message.peer, self.group, tag=message.tag)
+
+    # ---------------------------------------------------------------------------------- headers
+
+    def header(self, direction: Direction, call: int, shapes: Mapping[str, Sequence[int]],
+               rows: Sequence[int]) -> Header:
+        name = self.name.encode()[:NAME_BYTES].ljust(NAME_BYTES, b"\0")
+        words = [HEADER_MAGIC, self.digest, DIRECTIONS.index(direction), call]
+        call_words = torch.cat([torch.tensor(words), torch.frombuffer(bytearray(name), dtype=torch.int64)])
+        shape_words = []
+        for key, spec in self.specs.items():
+            shape_words += [SUPPORTED_DTYPES.index(spec.dtype), *shapes.get(key, (0,) * spec.ndim)]
+        shape_words += list(rows)
+        return Header(call_words.to(self.device), torch.tensor(shape_words, dtype=torch.int64, device=self.device))
+
+    def empty_header(self) -> Header:
+        shape_words = sum(1 + spec.ndim for spec in self.specs.values()) + self.row_words
+        return Header(
+            torch.empty(4 + NAME_BYTES // 8, dtype=torch.int64, device=self.device),
+            torch.empty(shape_words, dtype=torch.int64, device=self.device),
+        )
+
+    def header_messages(self, peer: int, header: Header) -> list[Message]:
+        return [Message(peer, header.call, "header", HEADER_TAG), Message(peer, header.shapes, "header", self.digest)]
+
+    def decode(self, words: torch.Tensor) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...]]:
+        """The shapes and the DP rows words of a shape header."""
+        values, shapes, at = words.tolist(), {}, 0
+        for key, spec in self.specs.items():
+            shapes[key] = tuple(values[at + 1 : at + 1 + spec.ndim])
+            at += 1 + spec.ndim
+        return shapes, tuple(values[at:])
+
+    def check_header(self, message: Message, got: Header, expected: Header, check_shapes: bool = True) -> None:
+        """Raise when a peer's header differs from this rank's call; the error names the difference."""
+        if message.tag == HEADER_TAG:
+            problem = self._call_problem(message.peer, got.call, expected.call)
+        elif check_shapes and not torch.equal(got.shapes, expected.shapes):
+            problem = (
+                f"rank {message.peer} sent {self._describe(got.shapes)} but this rank expected "
+                f"{self._describe(expected.shapes)}"
+            )
+        else:
+            problem = None
+        if problem is not None:
+            direction, call = DIRECTIONS[int(expected.call[2])], int(expected.call[3])
+            raise BoundaryError(
+                f"boundary {self.name!r}: {direction} call #{call}: rank {self.rank} "
+                f"({self.role(self.rank)}) and rank {message.peer} ({self.role(message.peer)}) disagree: {problem}"
+            )
+
+    def _call_problem(self, peer: int, got: torch.Tensor, expected: torch.Tensor) -> str | None:
+        g, e = got.tolist(), expected.tolist()
+        if g == e:
+            return None
+        if g[0] != HEADER_MAGIC:
+            return f"rank {peer} sent something that is not a boundary header"
+        their_name = got[4:].cpu().numpy().tobytes().rstrip(b"\0").decode(errors="replace")
+        if their_name != self.name.encode()[:NAME_BYTES].decode(errors="replace"):
+            return f"rank {peer} called boundary {their_name!r} while this rank called {self.name!r}"
+        if g[1] != e[1]:
+            return (
+                f"rank {peer} built this boundary from another description (layouts, specs or "
+                f"exchange_shapes); build it alike on every rank"
+            )
+        if g[2] != e[2]:
+            return f"rank {peer} made a {DIRECTIONS[g[2]]} call while this rank made a {DIRECTIONS[e[2]]} call"
+        return (
+            f"rank {peer} is at {DIRECTIONS[g[2]]} call #{g[3]}, this rank at #{e[3]}: one side skipped or "
+            f"repeated a call"
+        )
+
+    def _describe(self, words: torch.Tensor) -> str:
+        shapes, rows = self.decode(words)
+        values, parts, at = words.tolist(), [], 0
+        for key, spec in self.specs.items():
+            dtype = str(SUPPORTED_DTYPES[values[at]]).removeprefix("torch.")
+            parts.append(f"{key!r} of shape {shapes[key]} {dtype}")
+            at += 1 + spec.ndim
+        if rows and rows[0] >= 0:
+            parts.append(f"DP rows {list(rows)}")
+        return ", ".join(parts)
+
+
+def pack(entries: list[Entry], values: Callable[[Entry], torch.Tensor]) -> torch.Tensor:
+    chunks = [values(entry).contiguous().view(torch.uint8) for entry in entries]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def unpack(buffer: torch.Tensor, entries: list[Entry], sink: Callable[[Entry, torch.Tensor], None]) -> None:
+    offset = 0
+    for entry in entries:
+        nbytes = (entry.stop - entry.start) * entry.piece.dtype.itemsize
+        sink(entry, buffer[offset : offset + nbytes].view(entry.piece.dtype))
+        offset += nbytes
+
+
+def _wait_order(message: Message, is_recv: bool) -> int:
+    if is_recv and message.kind == "header":
+        return 0 if message.tag == HEADER_TAG else 1
+    return 2

@@ -1,0 +1,128 @@
+"""One module on this rank: its parallelized model, optimizer and replica sync, and what the step's end
+asks of it (gradient norm, non-finite check, clip, local checkpoint state)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from hetero.config import OptimizerConfig
+from hetero.graph.graph import Node
+from hetero.parallel.compression.collective import Collective
+from hetero.parallel.data import local_data, local_grad
+from hetero.parallel.mesh import ModuleMesh
+from hetero.parallel.replica_sync import ReplicaSync
+
+
+def build_adamw(model: nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay,
+        eps=config.eps,
+    )
+
+
+class ModuleState:
+    """Module ``node`` on this rank, built from seed + its declaration index on every rank of it."""
+
+    def __init__(self, node: Node, mesh: ModuleMesh, seed: int, device: torch.device, outer_comm: Collective | None = None):
+        """``outer_comm``: where DiLoCo's outer rounds run instead of the module's dp group (e.g. torchft's
+        fault-tolerant replica groups)."""
+        self.node, self.name, self.mesh, self.seed, self.device = node, node.name, mesh, seed, device
+        self.outer_comm = outer_comm
+        torch.manual_seed(seed + node.index)  # every rank builds the whole model, then keeps its part
+        self.model = node.kind.parallelize(node.kind.build(node.config).to(device), mesh, node.options)
+        self.optimizer = build_adamw(self.model, node.settings.optim)
+        self.replica_sync = self._replica_sync()
+
+    def _replica_sync(self) -> ReplicaSync:
+        return ReplicaSync(self.model, self.mesh, self.node.options, self.node.settings.compression, self.seed,
+                           self.outer_comm)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def settle_grads(self) -> None:
+        """After the step's backwards: zeros where a parameter got no gradient (a replica that saw no rows
+        still takes part in the sync), and partial sums reduced over TP (sequence parallelism leaves the
+        norms' weights with a ``Partial`` gradient, whose local part is not the gradient)."""
+        for param in self.model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            elif isinstance(param.grad, DTensor) and any(isinstance(p, Partial) for p in param.grad.placements):
+                placements = [Replicate() if isinstance(p, Partial) else p for p in param.grad.placements]
+                param.grad = param.grad.redistribute(param.grad.device_mesh, placements)
+
+    def nonfinite(self) -> torch.Tensor:
+        """Whether any gradient this rank holds has a NaN or an infinity (a device scalar): one fused norm
+        per gradient, which a NaN or infinity makes non-finite."""
+        grads = [g for g in map(local_grad, self.model.parameters()) if g is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        return ~torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
+
+    def squared_grad_norm(self) -> torch.Tensor:
+        """Sum of squared gradients of the whole module, each element counted once, on every rank of it."""
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        for param in self.model.parameters():
+            grad = local_grad(param)
+            if grad is None:
+                continue
+            value = grad.double().pow(2).sum()
+            placements = param.grad.placements if isinstance(param.grad, DTensor) else ()
+            if any(isinstance(p, Shard) for p in placements):
+                sharded += value
+            else:
+                replicated += value
+        layout = self.mesh.layout
+        if layout.tp > 1:
+            dist.all_reduce(sharded, group=self.mesh.group("tp"))
+        total = sharded + replicated
+        if self.node.options.fsdp and layout.dp * layout.cp > 1:
+            dist.all_reduce(total, group=self.mesh.group("dp_cp"))  # FSDP shards over dp×cp
+        if layout.pp > 1:
+            dist.all_reduce(total, group=self.mesh.group("pp"))
+        return total
+
+    def scale_grads(self, factor: float) -> None:
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)
+
+    def step(self, step: int) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.node.settings.optim.lr_at(step)
+        self.optimizer.step()
+        self.replica_sync.after_step()
+
+    def local_state(self) -> dict:
+        """The replica sync's buffers; under DiLoCo also this replica's own weights and optimizer state,
+        which drift apart from the other replicas' between outer rounds."""
+        state: dict = {"replica_sync": self.replica_sync.state_dict()}
+        if self.replica_sync.diloco is not None:
+            params = dict(self.model.named_parameters())
+            state["weights"] = {n: local_data(p).clone() for n, p in params.items()}
+            state["optimizer"] = {
+                n: {k: _local(v).clone() for k, v in self.optimizer.state[p].items()}
+                for n, p in params.items() if p in self.optimizer.state
+            }
+        return state
+
+    def load_local_state(self, state: dict) -> None:
+        self.replica_sync.load_state_dict(state["replica_sync"])
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name in state.get("weights", {}):
+                    local_data(param).copy_(state["weights"][name])
+                for key, value in state.get("optimizer", {}).get(name, {}).items():
+                    _local(self.optimizer.state[param][key]).copy_(value)
+
+    def reset_replica_sync(self) -> None:
+        """Start the replica sync afresh from the current weights (DiLoCo's anchor included)."""
+        self.replica_sync = self._replica_sync()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

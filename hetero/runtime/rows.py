@@ -1,0 +1,69 @@
+"""Which rows of a global batch each module and each edge carries, per microbatch, and each DP replica's.
+
+Microbatch ``m`` is rows ``[m·B/n, (m+1)·B/n)`` of the global batch. A module processes the rows whose
+presence flag for its kind's modality (``has_<modality>``) is set, or every row; its DP replicas split
+those rows into contiguous runs, earlier replicas taking the extra row. An edge carries the rows both its
+modules process, in order, so each replica on either side holds one contiguous run of them. Every rank
+holds the same global batch and computes the same answer, so all agree on shapes and skipped calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetero.data.digits import dp_rows
+from hetero.graph.graph import Edge, Graph
+from hetero.parallel.boundary_plan import Rows
+
+
+def presence(batch: dict[str, torch.Tensor], modality: str | None) -> torch.Tensor:
+    """(B,) bool: the rows carrying ``modality`` (every row without a modality or without the flag)."""
+    size = len(next(iter(batch.values())))
+    flag = batch.get(f"has_{modality}") if modality is not None else None
+    return torch.ones(size, dtype=torch.bool) if flag is None else flag.bool().cpu()
+
+
+class StepRows:
+    def __init__(self, graph: Graph, batch: dict[str, torch.Tensor], microbatches: int):
+        size = len(next(iter(batch.values())))
+        if size % microbatches:
+            raise ValueError(f"a global batch of {size} samples does not split into {microbatches} microbatches")
+        self.graph, self.size, self.microbatches = graph, size, microbatches
+        micro = size // microbatches
+        self.spans = [slice(m * micro, (m + 1) * micro) for m in range(microbatches)]
+        self.present = {name: presence(batch, node.kind.modality) for name, node in graph.nodes.items()}
+        self._rows = {
+            name: [span.start + torch.nonzero(flags[span]).flatten() for span in self.spans]
+            for name, flags in self.present.items()
+        }
+
+    def module(self, name: str, m: int) -> torch.Tensor:
+        """The global rows module ``name`` processes in microbatch ``m``."""
+        return self._rows[name][m]
+
+    def local(self, name: str, m: int, dp_rank: int) -> torch.Tensor:
+        """The rows DP replica ``dp_rank`` of module ``name`` takes in microbatch ``m``."""
+        rows = self._rows[name][m]
+        return rows[dp_rows(len(rows), dp_rank, self.graph.nodes[name].layout.dp)]
+
+    def edge(self, edge: Edge, m: int) -> torch.Tensor:
+        src = self._rows[edge.src][m]
+        return src[torch.isin(src, self._rows[edge.dst][m])]
+
+    def carried(self, edge: Edge, m: int, module: str, dp_rank: int) -> torch.Tensor:
+        """The edge's rows (global) that ``module``'s replica ``dp_rank`` holds, in order."""
+        local = self.local(module, m, dp_rank)
+        return local[torch.isin(local, self.edge(edge, m))]
+
+    def positions(self, edge: Edge, m: int, module: str, dp_rank: int) -> torch.Tensor:
+        """Where the edge's rows sit among the local rows of ``module``'s replica ``dp_rank``."""
+        return torch.nonzero(torch.isin(self.local(module, m, dp_rank), self.edge(edge, m))).flatten()
+
+    def split(self, edge: Edge, m: int) -> Rows:
+        """Each side's per-replica count of the edge's rows."""
+        def counts(module: str) -> tuple[int, ...]:
+            carried = self.edge(edge, m)
+            return tuple(int(torch.isin(self.local(module, m, d), carried).sum())
+                         for d in range(self.graph.nodes[module].layout.dp))
+
+        return Rows(counts(edge.src), counts(edge.dst))

@@ -1,0 +1,276 @@
+"""The one runtime: any module graph, each module under its own layout, trained step by step.
+
+``Runtime(graph, meshes)`` builds, on every rank and in one order, the modules this rank holds, every
+edge's boundary and each module's stage links, and checks its schedules (``schedule.check_schedule``).
+``train_step(batch)`` runs this rank's actions for a global batch (every rank gets the same one), then
+ends the step the same way on every rank: a world-wide check for non-finite losses and gradients (a
+skipped step everywhere, with the modules and ranks named), each module's replica sync (DP gradients,
+compressed or not, or DiLoCo), one gradient-norm clip over every module, and each module's optimizer step.
+``evaluate(batch)`` runs the forwards only (fp32 edges) and returns each module's losses and metrics.
+
+Losses are sums over rows divided by global counts (``Kind.loss_count``), so gradients summed over each
+module's replicas are exact whatever the modules' DP degrees; the combined loss weighs each module's loss
+by its ``loss_weight``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hetero.graph.graph import Graph
+from hetero.parallel.compression.collective import Collective
+from hetero.parallel.mesh import ModuleMesh
+from hetero.runtime.edges import RuntimeEdge
+from hetero.runtime.executor import Executor
+from hetero.runtime.links import StageLinks
+from hetero.runtime.module import ModuleState
+from hetero.runtime.rows import StepRows
+from hetero.runtime.schedule import check_schedule
+
+
+class Runtime:
+    def __init__(
+        self,
+        graph: Graph,
+        meshes: dict[str, ModuleMesh],
+        *,
+        microbatches: int,
+        seed: int = 0,
+        grad_clip: float = 0.0,
+        timeout_s: float = 300.0,
+        sample_reuse: int = 1,
+        device: torch.device | str | None = None,
+        outer_comms: dict[str, Collective] | None = None,
+    ):
+        """``outer_comms``: per module, where DiLoCo's outer rounds run instead of its dp group."""
+        self.graph, self.seed, self.grad_clip, self.sample_reuse = graph, seed, grad_clip, sample_reuse
+        self.microbatches = microbatches
+        self.rank = dist.get_rank()
+        self.device = torch.device(device) if device is not None else _default_device()
+        outer_comms = outer_comms or {}
+        self.modules = {name: ModuleState(graph.nodes[name], meshes[name], seed, self.device, outer_comms.get(name))
+                        for name in graph.nodes if name in meshes}
+        async_sends = graph.schedule == "graph_pipeline"
+        # Built on every rank, in the same order, whether or not this rank takes part.
+        self.edges = {e.name: RuntimeEdge(e, graph, timeout_s, async_sends, self.device) for e in graph.edges}
+        self.links = {name: StageLinks(module.mesh, module.node.settings.compression.pipeline, self.device)
+                      for name, module in self.modules.items()}
+        self.actions = {training: check_schedule(graph, microbatches, training)[self.rank] for training in (True, False)}
+        self.step = 0
+        self.nonfinite: dict[str, list[int]] = {}  # the last step's, when it was skipped
+        self.module_seconds = dict.fromkeys(graph.nodes, 0.0)  # this rank's compute time per module
+
+    # ----------------------------------------------------------------------------------- a step
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step on the global batch: the combined loss, each module's loss and parts
+        (``<module>.loss``, ``<module>.<part>``), the gradient norm before clipping and ``stepped``."""
+        rows = StepRows(self.graph, batch, self.microbatches)
+        for module in self.modules.values():
+            module.zero_grad()
+        edge_states = {key: end.state_dict() for key, end in self.edge_ends().items()}
+        self._begin(rows, batch, training=True)
+        executor = Executor(self, batch, rows, True, self.step)
+        executor.run(self.actions[True])
+        for module in self.modules.values():
+            module.settle_grads()
+        metrics = self._reduced_losses(self._loss_sums(executor), self._loss_counts(executor))
+        bad_losses = {name: any(not torch.isfinite(_local(r.loss)).all() for r in results if r.loss is not None)
+                      for name, results in executor.results.items()}
+        self.nonfinite = self._nonfinite(bad_losses)
+        if self.nonfinite:
+            for key, end in self.edge_ends().items():
+                end.load_state_dict(edge_states[key])
+            for module in self.modules.values():
+                module.zero_grad()
+            self.step += 1
+            return metrics | {"grad_norm": math.nan, "stepped": 0.0}
+        for module in self.modules.values():
+            module.replica_sync.before_step()
+        grad_norm = self._clip()
+        if math.isfinite(grad_norm):
+            for module in self.modules.values():
+                module.step(self.step)
+        self.step += 1
+        return metrics | {"grad_norm": grad_norm, "stepped": float(math.isfinite(grad_norm))}
+
+    def evaluate(self, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Losses and each module's metrics (``<module>.<metric>``) over held-out batches, forwards only,
+        without changing anything; losses are sums over every batch over the global counts."""
+        losses = counts = metric_sums = lows = keys = None
+        for batch in batches:
+            rows = StepRows(self.graph, batch, self.microbatches)
+            self._begin(rows, batch, training=False)
+            executor = Executor(self, batch, rows, False, self.step)
+            executor.run(self.actions[False])
+            parts = (self._loss_sums(executor), self._loss_counts(executor), *self._metric_sums(executor))
+            if losses is None:
+                losses, counts, metric_sums, lows = parts
+                keys = self._metric_keys(batch)
+            else:
+                losses, counts = losses + parts[0], counts + parts[1]
+                metric_sums, lows = metric_sums + parts[2], torch.minimum(lows, parts[3])
+        if losses is None:
+            raise ValueError("evaluate() got no batches")
+        return self._reduced_losses(losses, counts) | self._reduced_metrics(keys, metric_sums, lows)
+
+    def _begin(self, rows: StepRows, batch: dict[str, torch.Tensor], training: bool) -> None:
+        """Tell compressed edges and stage links whether this pass uses their codecs, and its row keys."""
+        fresh = self.step % self.sample_reuse == 0
+        ids = batch.get("index")
+        for edge in self.edges.values():
+            e = edge.edge
+
+            def keys(name: str) -> list[torch.Tensor]:
+                module = self.modules.get(name)
+                dp = module.mesh.coord.dp if module is not None else 0
+                return [rows.carried(e, m, name, dp) for m in range(self.microbatches)]
+
+            edge.begin(training, keys(e.src), keys(e.dst), fresh, ids)
+        for name, links in self.links.items():
+            local = [rows.local(name, m, self.modules[name].mesh.coord.dp) for m in range(self.microbatches)]
+            links.begin(training, local, fresh, ids)
+
+    def stage_shape(self, name: str, rows: int) -> tuple[int, ...]:
+        """The activation between two stages of module ``name`` for ``rows`` local rows."""
+        module = self.modules[name]
+        layout, config = module.mesh.layout, module.node.config
+        seq = config.seq_len // layout.cp
+        if module.node.options.sequence_parallel and layout.tp > 1:
+            seq //= layout.tp
+        return (rows, seq, config.hidden_size)
+
+    # -------------------------------------------------------------------------- the step's end
+
+    def _reporting(self, name: str) -> bool:
+        """One rank per set of ranks holding the same rows and tokens reports a module's sums: TP rank 0
+        of its last stage."""
+        mesh = self.modules[name].mesh
+        return mesh.is_last_stage and mesh.coord.tp == 0
+
+    def _loss_keys(self) -> list[tuple[str, str]]:
+        return [(name, part) for name, node in self.graph.nodes.items() if node.kind.has_loss(node.config)
+                for part in ("loss", *node.kind.loss_parts(node.config))]
+
+    def _loss_sums(self, executor: Executor) -> torch.Tensor:
+        """This rank's share of every module's loss and loss parts (sums over rows; reporting ranks only)."""
+        keys = self._loss_keys()
+        sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        for i, (name, part) in enumerate(keys):
+            if name in self.modules and self._reporting(name):
+                for result in executor.results[name]:
+                    sums[i] += _local(result.loss if part == "loss" else result.parts[part]).double()
+        return sums
+
+    def _loss_counts(self, executor: Executor) -> torch.Tensor:
+        return torch.tensor([float(executor.counts[name]) for name, _ in self._loss_keys()], dtype=torch.float64)
+
+    def _reduced_losses(self, sums: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
+        """Every module's loss and parts over the global batch(es), and the loss-weighted sum, on every rank."""
+        dist.all_reduce(sums)
+        keys = self._loss_keys()
+        out = {f"{name}.{part}": value / count for (name, part), value, count in zip(keys, sums.tolist(), counts.tolist())}
+        combined = sum(self.graph.nodes[name].settings.loss_weight * out[f"{name}.loss"] for name, part in keys
+                       if part == "loss")
+        return {"loss": combined} | out
+
+    def _metric_keys(self, batch) -> list[tuple[str, str, str]]:
+        return [(name, metric, reduce) for name, node in self.graph.nodes.items()
+                for metric, reduce in node.kind.metric_names(node.config, batch)]
+
+    def _metric_sums(self, executor: Executor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of every metric: (value, count) sums, and the lows of ``min`` metrics."""
+        keys = self._metric_keys(executor.batch)
+        sums = torch.zeros(len(keys), 2, dtype=torch.float64, device=self.device)
+        lows = torch.full((len(keys),), math.inf, dtype=torch.float64, device=self.device)
+        for i, (name, metric, reduce) in enumerate(keys):
+            if name not in self.modules or not self._reporting(name):
+                continue
+            for result in executor.results[name]:
+                part = result.metrics[metric]
+                if reduce == "min":
+                    lows[i] = torch.minimum(lows[i], part.value.double())
+                else:
+                    sums[i] += torch.stack([part.value.double(), part.count.double()])
+        return sums, lows
+
+    def _reduced_metrics(self, keys, sums: torch.Tensor, lows: torch.Tensor) -> dict[str, float]:
+        dist.all_reduce(sums)
+        dist.all_reduce(lows, op=dist.ReduceOp.MIN)
+        return {f"{name}.{metric}": float(lows[i]) if reduce == "min" else float(sums[i, 0] / sums[i, 1].clamp(min=1))
+                for i, (name, metric, reduce) in enumerate(keys)}
+
+    def _nonfinite(self, bad_losses: dict[str, bool]) -> dict[str, list[int]]:
+        """Modules with a NaN or infinite loss or gradient on some rank, and those ranks (the same on every
+        rank). Checked before the gradient sync, which would spread the values."""
+        names = list(self.graph.nodes)
+        flags = torch.zeros(len(names), dist.get_world_size(), device=self.device)
+        for i, name in enumerate(names):
+            module = self.modules.get(name)
+            bad = (module is not None and bool(module.nonfinite())) or bad_losses.get(name, False)
+            flags[i, self.rank] = float(bad)
+        dist.all_reduce(flags)
+        return {name: [int(r) for r in torch.nonzero(flags[i]).flatten()] for i, name in enumerate(names) if flags[i].any()}
+
+    def _clip(self) -> float:
+        """The global gradient norm over every module, agreed by every rank; clipped when it exceeds
+        ``grad_clip`` (> 0). Infinite when any gradient is not finite."""
+        names = list(self.graph.nodes)
+        squares = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        for i, name in enumerate(names):
+            if name in self.modules:
+                squares[i] = self.modules[name].squared_grad_norm()
+        # Every rank of a module holds the same value and the others hold 0: MAX agrees world-wide. (Under
+        # DiLoCo a module's replicas hold different local gradients; MAX then takes the largest norm.)
+        nonfinite = (~torch.isfinite(squares)).to(torch.float64)
+        squares = torch.nan_to_num(squares, nan=0.0, posinf=0.0)
+        dist.all_reduce(squares, op=dist.ReduceOp.MAX)
+        dist.all_reduce(nonfinite, op=dist.ReduceOp.MAX)
+        if nonfinite.any():
+            return math.inf
+        norm = math.sqrt(float(squares.sum()))
+        if self.grad_clip > 0 and norm > self.grad_clip:
+            for module in self.modules.values():
+                module.scale_grads(self.grad_clip / (norm + 1e-6))
+        return norm
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def edge_ends(self) -> dict:
+        """This rank's compressed edge ends (graph edges and stage edges), each with compensation state."""
+        ends = {f"{name}.{side}": end for name, links in self.links.items() for side, end in links.ends.items()}
+        for edge in self.edges.values():
+            ends |= edge.ends()
+        return ends
+
+    def checkpoint_modules(self) -> dict:
+        return {name: (module.model, module.optimizer) for name, module in self.modules.items()}
+
+    def local_state(self) -> dict:
+        return {"modules": {name: module.local_state() for name, module in self.modules.items()},
+                "edges": {key: end.state_dict() for key, end in self.edge_ends().items()}}
+
+    def load_local_state(self, state: dict) -> None:
+        for name, module in self.modules.items():
+            module.load_local_state(state["modules"][name])
+        for key, end in self.edge_ends().items():
+            end.load_state_dict(state["edges"][key])
+
+    def reset_local_state(self) -> None:
+        for module in self.modules.values():
+            module.reset_replica_sync()
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

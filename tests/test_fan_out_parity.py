@@ -1,0 +1,107 @@
+"""A graph the earlier trainers could not express: one encoder feeding two consumers. A vision encoder's
+embeddings go to an LLM and to a second, smaller LLM (a captioner), each with its own loss and weight; the
+encoder learns from the gradients both return, summed. Two placements: colocated (phased) and every module
+on its own ranks (one pipeline over the graph, fanning out from the encoder's stage). Against one process
+running the three modules: per step the combined loss, each module's loss and the gradient norm, every
+replica's gradients at the first step (``hetero.testing.parity``)."""
+
+import pytest
+import torch
+
+from hetero.config import OptimizerConfig
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.vit.config import ViTConfig
+from hetero.kinds.vit.model import VisionEncoder
+from hetero.runtime import build_runtime
+from hetero.testing.experiments import experiment, module, module_grads
+from hetero.testing.multiprocess import run_ranks
+from hetero.testing.parity import Record, check_parity
+
+VISION = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_layers=1, num_heads=4, out_size=32)
+PATCHES = VISION.num_patches
+LLM = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=64, seq_len=PATCHES + 8)
+CAPTIONER = GPTConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, ffn_hidden_size=32, seq_len=PATCHES + 8)
+WEIGHTS = {"llm": 1.0, "captioner": 0.5}
+OPTIM = {"vision": OptimizerConfig(lr=3e-3), "llm": OptimizerConfig(lr=1e-2), "captioner": OptimizerConfig(lr=5e-3)}
+STEPS, BATCH, CLIP = 4, 8, 0.5
+
+
+def batches():
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(STEPS):
+        text = torch.randint(1, LLM.vocab_size, (BATCH, LLM.seq_len - PATCHES + 1), generator=gen)
+        out.append({
+            "images": torch.rand(BATCH, 1, 16, 16, generator=gen),
+            "tokens": torch.cat([torch.zeros(BATCH, PATCHES, dtype=torch.long), text[:, :-1]], dim=1),
+            "labels": torch.cat([torch.full((BATCH, PATCHES - 1), -100), text], dim=1),
+        })
+    return out
+
+
+def reference() -> Record:
+    modules = {}
+    for index, (name, build) in enumerate((("vision", lambda: VisionEncoder(VISION)), ("llm", lambda: GPT(LLM)),
+                                           ("captioner", lambda: GPT(CAPTIONER)))):
+        torch.manual_seed(index)  # each module from seed + its index in the experiment
+        modules[name] = build()
+    model = torch.nn.ModuleDict(modules)
+    optims = {n: torch.optim.AdamW(m.parameters(), lr=OPTIM[n].lr, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
+              for n, m in modules.items()}
+    record = Record()
+    for step, batch in enumerate(batches()):
+        for opt in optims.values():
+            opt.zero_grad()
+        images = model["vision"](batch["images"])
+        supervised = int((batch["labels"] != -100).sum())
+        losses = {}
+        for name in ("llm", "captioner"):
+            h = model[name].tok_embeddings(batch["tokens"]).clone()
+            h[:, :PATCHES] = images
+            losses[name] = token_loss_sum(model[name](h), batch["labels"]) / supervised
+        total = sum(WEIGHTS[n] * loss for n, loss in losses.items())
+        total.backward()
+        record.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        if step == 0:
+            record.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for opt in optims.values():
+            opt.step()
+        record.losses.append([total.item(), losses["llm"].item(), losses["captioner"].item()])
+    return record
+
+
+def train(rank, world_size, layouts, microbatches):
+    kinds = {"vision": ("vit", VISION), "llm": ("gpt", LLM), "captioner": ("gpt", CAPTIONER)}
+    modules = {name: module(kind, config, layouts[name], OPTIM[name],
+                            **({"loss_weight": WEIGHTS[name]} if name in WEIGHTS else {}))
+               for name, (kind, config) in kinds.items()}
+    config = experiment(world_size, modules, edges=[("vision", "llm"), ("vision", "captioner")],
+                        global_batch=BATCH, microbatches=microbatches, grad_clip=CLIP)
+    runtime = build_runtime(config)
+    record = Record()
+    for step, batch in enumerate(batches()):
+        metrics = runtime.train_step(batch)
+        record.losses.append([metrics["loss"], metrics["llm.loss"], metrics["captioner.loss"]])
+        record.grad_norms.append(metrics["grad_norm"])
+        if step == 0:
+            record.grads = module_grads(runtime)
+    return record, runtime.graph.schedule
+
+
+CASES = {
+    "shared ranks: vision dp4 and llm tp2·dp2 on 0-3, captioner dp2 on 0-1": (
+        {"vision": {"dp": 4}, "llm": {"tp": 2, "dp": 2}, "captioner": {"dp": 2, "pp": 1, "ranks": [0, 1]}},
+        4, 2, "phased"),
+    "each on its own ranks: vision (0), llm pp2 (1-2), captioner (3)": (
+        {"vision": {"dp": 1}, "llm": {"pp": 2, "dp": 1, "offset": 1}, "captioner": {"dp": 1, "offset": 3}},
+        4, 4, "graph_pipeline"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_encoder_feeding_two_consumers_trains_with_parity(case):
+    layouts, world_size, microbatches, schedule = CASES[case]
+    results = run_ranks(train, world_size, layouts, microbatches, timeout_s=300)
+    assert {s for _, s in results} == {schedule}
+    print("\n" + check_parity([r for r, _ in results], reference(), f"fan-out {case}"))

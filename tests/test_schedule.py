@@ -1,0 +1,113 @@
+"""Schedules as data: a pipeline stage's order, and the runtime's per-rank action lists for module graphs,
+checked before any message (pairing of every edge's calls on both sides, replicas in step, no deadlock)."""
+
+import pytest
+
+from hetero.graph import build_graph
+from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.video.config import VideoConfig
+from hetero.kinds.video.memory import MemoryConfig
+from hetero.kinds.vit.config import ViTConfig
+from hetero.parallel.pipeline import SCHEDULES, schedule_actions
+from hetero.runtime.schedule import Action, ScheduleError, check_actions, check_schedule
+from hetero.testing.experiments import experiment, module
+
+VISION = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_layers=1, num_heads=4, out_size=32)
+LLM = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, seq_len=16)
+VIDEO = VideoConfig(frame_size=8, patch_size=4, hidden_size=32, num_layers=1, num_heads=4,
+                    memory=MemoryConfig(policy="sliding", budget=3), condition_size=32)
+
+
+def parse(text: str) -> list[Action]:
+    return [Action(op, target, int(m)) for op, target, m in (item.split(":") for item in text.split())]
+
+
+def test_1f1b_actions_four_stages_eight_microbatches():
+    def actions(text):
+        return [(a[0], int(a[1:])) for a in text.split()]
+
+    assert schedule_actions("1f1b", 0, 4, 8) == actions("F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7")
+    assert schedule_actions("1f1b", 1, 4, 8) == actions("F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7")
+    assert schedule_actions("1f1b", 3, 4, 8) == actions("F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7")
+    assert schedule_actions("gpipe", 2, 4, 3) == actions("F0 F1 F2 B0 B1 B2")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("num_stages,num_microbatches", [(1, 1), (4, 1), (4, 2), (4, 8), (8, 3)])
+def test_actions_cover_every_microbatch_and_bound_memory(schedule, num_stages, num_microbatches):
+    for s in range(num_stages):
+        actions = schedule_actions(schedule, s, num_stages, num_microbatches)
+        assert sorted(actions) == [(k, mb) for k in "BF" for mb in range(num_microbatches)]
+        assert all(actions.index(("F", mb)) < actions.index(("B", mb)) for mb in range(num_microbatches))
+        in_flight = [sum(1 if k == "F" else -1 for k, _ in actions[: i + 1]) for i in range(len(actions))]
+        bound = num_microbatches if schedule == "gpipe" else min(num_stages - s, num_microbatches)
+        assert max(in_flight) == bound
+
+
+def test_bad_orders_are_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match="'interleaved'.*gpipe, 1f1b"):
+        schedule_actions("interleaved", 0, 2, 4)
+    with pytest.raises(ValueError, match="num_microbatches=0 must be >= 1"):
+        schedule_actions("1f1b", 0, 2, 0)
+    with pytest.raises(ValueError, match="stage_index=2 is outside 0..1"):
+        schedule_actions("gpipe", 2, 2, 1)
+
+
+def vlm(layouts: dict, world: int, **top):
+    modules = {"vision": module("vit", VISION, layouts["vision"]), "llm": module("gpt", LLM, layouts["llm"])}
+    return build_graph(experiment(world, modules, edges=[("vision", "llm")], global_batch=8, microbatches=2, **top))
+
+
+def test_the_phased_schedule_meets_the_edges_in_one_order_on_every_rank():
+    graph = vlm({"vision": {"dp": 4}, "llm": {"tp": 2, "dp": 2}}, 4)
+    assert graph.schedule == "phased"
+    lists = check_schedule(graph, 2, training=True)
+    assert lists[0] == parse("F:vision:0 F:vision:1 EF:vision->llm:0 EF:vision->llm:1 F:llm:0 B:llm:0 F:llm:1 "
+                             "B:llm:1 EB:vision->llm:0 EB:vision->llm:1 B:vision:0 B:vision:1")
+    assert all(lists[r] == lists[0] for r in range(4))
+    assert check_schedule(graph, 2, training=False)[0] == parse(
+        "F:vision:0 F:vision:1 EF:vision->llm:0 EF:vision->llm:1 F:llm:0 F:llm:1")
+
+
+def graph_pipeline(llm_schedule="1f1b"):
+    """vision (rank 0) -> llm pp2 (ranks 1-2) -> video (rank 3), every module on its own ranks."""
+    modules = {"vision": module("vit", VISION, {"dp": 1}),
+               "llm": module("gpt", LLM, {"pp": 2, "dp": 1, "offset": 1}, parallel={"pipeline_schedule": llm_schedule}),
+               "video": module("video", VIDEO, {"dp": 1, "offset": 3})}
+    return build_graph(experiment(4, modules, edges=[("vision", "llm"), ("llm", "video")], global_batch=8,
+                                  microbatches=4))
+
+
+def test_the_graph_pipeline_warms_up_each_stage_by_the_stages_after_it():
+    graph = graph_pipeline()
+    assert graph.schedule == "graph_pipeline"
+    lists = check_schedule(graph, 4, training=True)
+    forwards_first = {r: next(i for i, a in enumerate(acts) if a.op == "B") for r, acts in lists.items()}
+    modules = {0: "vision", 1: "llm", 2: "llm", 3: "video"}
+    # Forwards before the first backward: the stages after it (vision 3, llm stage 0: 2, stage 1: 1, video 0), + 1.
+    assert {r: sum(a.op == "F" for a in lists[r][: forwards_first[r]]) for r in lists} == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert lists[3][:4] == parse("EF:llm->video:0 F:video:0 B:video:0 EB:llm->video:0")
+    assert lists[2][:2] == parse("F:llm:0 EF:llm->video:0")
+    for rank, name in modules.items():
+        assert {a.target for a in lists[rank] if a.op in "FB"} == {name}
+
+
+def test_a_schedule_whose_sides_call_an_edge_in_other_orders_is_refused():
+    graph = vlm({"vision": {"dp": 4}, "llm": {"tp": 2, "dp": 2}}, 4)
+    lists = check_schedule(graph, 2, training=True)
+    lists[3] = [a for a in lists[3]]
+    i, j = lists[3].index(Action("EF", "vision->llm", 0)), lists[3].index(Action("EF", "vision->llm", 1))
+    lists[3][i], lists[3][j] = lists[3][j], lists[3][i]
+    with pytest.raises(ScheduleError, match="edge vision->llm: its ranks make EF calls in different orders"):
+        check_actions(graph, lists)
+
+
+def test_a_schedule_that_would_deadlock_is_refused_before_any_message():
+    """The LLM's last stage in GPipe order waits for microbatch 3, which its first stage (1F1B, warmed up
+    by 3) sends only after the gradient of microbatch 0 came back."""
+    graph = graph_pipeline()
+    lists = check_schedule(graph, 4, training=True)
+    gpipe = check_schedule(graph_pipeline("gpipe"), 4, training=True)
+    lists[2] = gpipe[2]
+    with pytest.raises(ScheduleError, match="deadlocks: each rank waits at its next action: rank 0: .*rank 1: B llm 0; rank 2: F llm 3"):
+        check_actions(graph, lists)

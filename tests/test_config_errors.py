@@ -320,3 +320,91 @@ def test_an_llm_conditioning_a_video_generator_needs_matching_widths():
         build_graph(experiment_from_dict(raw)).placement
     raw["video"]["model"]["condition_size"] = 64
     assert build_graph(experiment_from_dict(raw)).placement.world_size == 2
+
+
+# ------------------------------------------------------------------------------------ the graph
+
+
+GRAPH = {
+    "world_size": 2, "batch": {"global_batch_size": 4, "micro_batch_size": 1},
+    "vision": {"kind": "vit", "model": {"image_size": 16, "patch_size": 8, "hidden_size": 32, "num_heads": 4,
+                                        "out_size": 32}, "layout": {"dp": 2}},
+    "llm": {"kind": "gpt", "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "seq_len": 16},
+            "layout": {"dp": 2}},
+    "video": {"kind": "video", "model": {"frame_size": 16, "patch_size": 8, "hidden_size": 32, "condition_size": 32},
+              "layout": {"dp": 2}},
+    "edges": [{"src": "vision", "dst": "llm"}, {"src": "llm", "dst": "video"}],
+}
+
+
+def graph_with(change):
+    raw = copy.deepcopy(GRAPH)
+    change(raw)
+    return experiment_from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda raw: raw.update(vision2=copy.deepcopy(raw["vision"]), edges=[*raw["edges"], {"src": "video", "dst": "vision2"}]),
+         r"edges\[2\] \(video -> vision2\): video produces nothing another module can take; remove the edge"),
+        (lambda raw: raw["edges"].append({"src": "llm", "dst": "llm"}), r"edges\[2\] connects llm to itself"),
+        (lambda raw: raw["edges"].pop(1),
+         r"video: its input condition takes exactly one edge, got 0; add an edge into it or configure the model "
+         r"without it"),
+        (lambda raw: raw.update(audio={"kind": "vit", "model": {"image_size": 16, "patch_size": 8, "hidden_size": 32,
+                                                                "num_heads": 4, "out_size": 32}, "layout": {"dp": 2}}),
+         r"module audio is joined to no other module; add an edge from or to it"),
+        (lambda raw: raw["edges"].append({"src": "vision", "dst": "llm", "output": "features"}),
+         r"edges\[2\]\.output='features' is not one of vision's outputs: embeddings"),
+        (lambda raw: raw["edges"].append({"src": "vision", "dst": "llm"}),
+         r"edges\[2\] \(vision -> llm\): the same output already feeds the same input; remove the duplicate"),
+        (lambda raw: raw["edges"].append({"src": "vision", "dst": "video"}),
+         r"video: its input condition takes exactly one edge, got 2; keep one"),
+        (lambda raw: raw["llm"]["model"].update(seq_len=2),
+         r"llm's placeholders end at position 4 .* beyond llm\.model\.seq_len=2"),
+        (lambda raw: raw.update(schedule="graph_pipeline"),
+         r"schedule=graph_pipeline runs each rank as one stage of one module, but the placement is colocated"),
+        (lambda raw: raw.update(schedule="interleaved"), r"schedule='interleaved' is not one of auto, phased, graph_pipeline"),
+    ],
+    ids=["an edge from a module without outputs", "a self-edge", "a condition nothing feeds", "a module no edge reaches",
+         "an unknown output port", "a duplicate edge", "two edges into one condition", "placeholders past the sequence",
+         "the graph pipeline on shared ranks", "an unknown schedule"],
+)
+def test_a_graph_that_cannot_run_is_refused_naming_the_fix(change, message):
+    with pytest.raises(ConfigError, match=message):
+        build_graph(graph_with(change))
+
+
+def test_a_cycle_is_named():
+    """A GPT fed by a second GPT's hidden states, which the first feeds back: llm -> decoder -> llm."""
+    def cycle(raw):
+        raw.pop("video")
+        raw["decoder"] = copy.deepcopy(raw["llm"])
+        raw["edges"] = [{"src": "vision", "dst": "llm"}, {"src": "llm", "dst": "decoder"}, {"src": "decoder", "dst": "llm"}]
+
+    with pytest.raises(ConfigError, match=r"edges form a cycle llm -> decoder -> llm; a module graph must be acyclic"):
+        build_graph(graph_with(cycle))
+
+
+def test_the_dataset_must_hold_what_each_module_reads():
+    from hetero.train.datasets import check
+
+    experiment = load_experiment("genezip", ["train.dataset=video_clips"])
+    with pytest.raises(ConfigError, match=r"dna \(genezip\) reads dna, dna_regions, which train\.dataset=video_clips "
+                                          r"does not provide \(it provides clips, revisit, scene, index\)"):
+        check(experiment, build_graph(experiment))
+    with pytest.raises(ConfigError, match=r"train\.dataset='imagenet' is not one of digits, digits_dna"):
+        check(load_experiment("genezip", ["train.dataset=imagenet"]), build_graph(experiment))
+
+
+def test_kinds_register_once_and_unknown_ones_are_listed():
+    from hetero.kinds import default_registry
+    from hetero.kinds.gpt.spec import GPTKind
+
+    registry = default_registry()
+    with pytest.raises(ConfigError, match=r"cannot register kind GPTKind: 'gpt' is already registered"):
+        registry.register(GPTKind())
+    with pytest.raises(ConfigError, match=r"llm\.kind='mamba' is not a known module kind; use one of gpt, vit, "
+                                          r"genezip, video \(or register yours"):
+        build_graph(graph_with(lambda raw: raw["llm"].update(kind="mamba")), registry)

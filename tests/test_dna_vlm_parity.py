@@ -16,9 +16,9 @@ from hetero.testing.references import IMAGE_TOKEN, VisionDnaLanguageModel
 from hetero.kinds.vit.config import ViTConfig
 from hetero.config import OptimizerConfig
 from hetero.runtime import build_runtime
-from hetero.testing.experiments import experiment, module, module_grads
+from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
-from hetero.testing.parity import Record, check_parity
+from hetero.testing.parity import check_parity, record_reference, record_run
 
 VISION = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_layers=1, num_heads=4, out_size=32)
 DNA = GeneZipConfig(seq_len=64, hidden_size=32, num_heads=4, main_layers=1, local_window=8, routing_window=16,
@@ -51,29 +51,15 @@ def batches(global_batch):
 
 def reference(data):
     model = VisionDnaLanguageModel(VISION, DNA, LLM, seed=0)
-    optims = {
-        name: torch.optim.AdamW(getattr(model, name).parameters(), lr=OPTIM[name].lr, betas=(0.9, 0.95),
-                                weight_decay=0.0, eps=1e-8)
-        for name in OPTIM
-    }
-    record = Record()
-    for step, batch in enumerate(data):
-        for opt in optims.values():
-            opt.zero_grad()
+
+    def losses(batch, step):
         supervised = int((batch["labels"] != -100).sum())
         logits, dna = model(batch["images"], batch["dna"], batch["tokens"])
         text_loss = token_loss_sum(logits, batch["labels"]) / supervised
         dna_loss = genezip_loss(DNA, dna, batch["dna"], batch["dna_regions"]).total(DNA).mean()
-        (text_loss + dna_loss).backward()
-        record.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        if step == 0:
-            record.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        for name, opt in optims.items():
-            for group in opt.param_groups:
-                group["lr"] = OPTIM[name].lr_at(step)
-            opt.step()
-        record.losses.append([text_loss.item(), dna_loss.item()])
-    return record
+        return [text_loss + dna_loss, text_loss, dna_loss]
+
+    return record_reference({name: getattr(model, name) for name in OPTIM}, OPTIM, data, losses, CLIP)
 
 
 def train(rank, world_size, layouts, microbatches, data):
@@ -82,15 +68,7 @@ def train(rank, world_size, layouts, microbatches, data):
                for name, kind, config in (("vision", "vit", VISION), ("llm", "gpt", LLM), ("dna", "genezip", DNA))}
     config = experiment(world_size, modules, edges=[("vision", "llm"), ("dna", "llm")], global_batch=8,
                         microbatches=microbatches, grad_clip=CLIP)
-    runtime = build_runtime(config)
-    record = Record()
-    for step, batch in enumerate(data):
-        metrics = runtime.train_step(batch)
-        record.losses.append([metrics["llm.loss"], metrics["dna.loss"]])
-        record.grad_norms.append(metrics["grad_norm"])
-        if step == 0:
-            record.grads = module_grads(runtime)
-    return record
+    return record_run(build_runtime(config), data, ("loss", "llm.loss", "dna.loss"))
 
 
 CASES = {

@@ -14,9 +14,9 @@ from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.kinds.vit.config import ViTConfig
 from hetero.kinds.vit.model import VisionEncoder
 from hetero.runtime import build_runtime
-from hetero.testing.experiments import experiment, module, module_grads
+from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
-from hetero.testing.parity import Record, check_parity
+from hetero.testing.parity import Record, check_parity, record_reference, record_run
 
 VISION = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_layers=1, num_heads=4, out_size=32)
 PATCHES = VISION.num_patches
@@ -46,29 +46,18 @@ def reference() -> Record:
                                            ("captioner", lambda: GPT(CAPTIONER)))):
         torch.manual_seed(index)  # each module from seed + its index in the experiment
         modules[name] = build()
-    model = torch.nn.ModuleDict(modules)
-    optims = {n: torch.optim.AdamW(m.parameters(), lr=OPTIM[n].lr, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
-              for n, m in modules.items()}
-    record = Record()
-    for step, batch in enumerate(batches()):
-        for opt in optims.values():
-            opt.zero_grad()
-        images = model["vision"](batch["images"])
+
+    def losses(batch, step):
+        images = modules["vision"](batch["images"])
         supervised = int((batch["labels"] != -100).sum())
-        losses = {}
+        each = {}
         for name in ("llm", "captioner"):
-            h = model[name].tok_embeddings(batch["tokens"]).clone()
+            h = modules[name].tok_embeddings(batch["tokens"]).clone()
             h[:, :PATCHES] = images
-            losses[name] = token_loss_sum(model[name](h), batch["labels"]) / supervised
-        total = sum(WEIGHTS[n] * loss for n, loss in losses.items())
-        total.backward()
-        record.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        if step == 0:
-            record.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        for opt in optims.values():
-            opt.step()
-        record.losses.append([total.item(), losses["llm"].item(), losses["captioner"].item()])
-    return record
+            each[name] = token_loss_sum(modules[name](h), batch["labels"]) / supervised
+        return [sum(WEIGHTS[n] * loss for n, loss in each.items()), each["llm"], each["captioner"]]
+
+    return record_reference(modules, OPTIM, batches(), losses, CLIP)
 
 
 def train(rank, world_size, layouts, microbatches):
@@ -79,14 +68,7 @@ def train(rank, world_size, layouts, microbatches):
     config = experiment(world_size, modules, edges=[("vision", "llm"), ("vision", "captioner")],
                         global_batch=BATCH, microbatches=microbatches, grad_clip=CLIP)
     runtime = build_runtime(config)
-    record = Record()
-    for step, batch in enumerate(batches()):
-        metrics = runtime.train_step(batch)
-        record.losses.append([metrics["loss"], metrics["llm.loss"], metrics["captioner.loss"]])
-        record.grad_norms.append(metrics["grad_norm"])
-        if step == 0:
-            record.grads = module_grads(runtime)
-    return record, runtime.graph.schedule
+    return record_run(runtime, batches(), ("loss", "llm.loss", "captioner.loss")), runtime.graph.schedule
 
 
 CASES = {

@@ -13,9 +13,9 @@ from hetero.kinds.genezip.model import BoundaryRouter, GeneZip
 from hetero.kinds.genezip.objectives import genezip_loss
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
-from hetero.testing.experiments import experiment, load_weights, module, module_grads
+from hetero.testing.experiments import experiment, load_weights, module
 from hetero.testing.multiprocess import run_ranks
-from hetero.testing.parity import Record, check_parity
+from hetero.testing.parity import Record, check_parity, record_reference, record_run
 
 BATCH, LENGTH, STEPS, LR = 4, 96, 3, 3e-3
 
@@ -49,33 +49,19 @@ def build(stages: int) -> GeneZip:
 
 def reference(stages: int) -> Record:
     model = build(stages)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
-    record = Record()
-    for step, batch in enumerate(batches()):
-        optimizer.zero_grad()
+
+    def losses(batch, step):
         terms = genezip_loss(model.config, model(batch["dna"]), batch["dna"], batch["dna_regions"])
-        loss = terms.total(model.config).sum() / BATCH
-        loss.backward()
-        record.grad_norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
-        if step == 0:
-            record.grads = {f"dna.{n}": p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        record.losses.append([loss.item(), (terms.prediction.sum() / BATCH).item(), (terms.ratio.sum() / BATCH).item()])
-    return record
+        return [terms.total(model.config).sum() / BATCH, terms.prediction.sum() / BATCH, terms.ratio.sum() / BATCH]
+
+    return record_reference({"dna": model}, {"dna": OptimizerConfig(lr=LR)}, batches(), losses)
 
 
 def run(rank, world_size, layout, options, stages):
     blocks = {"dna": module("genezip", config(stages), layout, OptimizerConfig(lr=LR), options)}
     runtime = build_runtime(experiment(world_size, blocks, global_batch=BATCH, microbatches=1))
     load_weights(runtime, "dna", build(stages).state_dict())
-    record = Record()
-    for step, batch in enumerate(batches()):
-        metrics = runtime.train_step(batch)
-        record.losses.append([metrics["dna.loss"], metrics["dna.prediction"], metrics["dna.ratio"]])
-        record.grad_norms.append(metrics["grad_norm"])
-        if step == 0:
-            record.grads = module_grads(runtime)
-    return record
+    return record_run(runtime, batches(), ("dna.loss", "dna.prediction", "dna.ratio"))
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,9 @@ from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
-from hetero.testing.experiments import experiment, module, module_grads
+from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
-from hetero.testing.parity import Record, check_parity
+from hetero.testing.parity import Record, check_parity, record_reference, record_run
 
 CONFIG = GPTConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
                    ffn_hidden_size=64, seq_len=16)
@@ -41,34 +41,18 @@ def batches(config=CONFIG, steps=STEPS):
 def reference(config=CONFIG, steps=STEPS) -> Record:
     torch.manual_seed(SEED)
     model = GPT(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
-    record = Record()
-    for step, batch in enumerate(batches(config, steps)):
-        opt.zero_grad()
-        loss = token_loss_sum(model(batch["tokens"]), batch["labels"]) / batch["tokens"].numel()
-        loss.backward()
-        record.grad_norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
-        if step == 0:
-            record.grads = {f"llm.{name}": p.grad.clone() for name, p in model.named_parameters()}
-        opt.step()
-        record.losses.append([loss.item()])
-    return record
+
+    def loss(batch, step):
+        return [token_loss_sum(model(batch["tokens"]), batch["labels"]) / batch["tokens"].numel()]
+
+    return record_reference({"llm": model}, {"llm": OptimizerConfig(lr=LR)}, batches(config, steps), loss)
 
 
 def train_on_ranks(rank, world_size, layout, options, config=CONFIG, steps=STEPS) -> Record:
-    dp = layout.get("dp", 1)
     blocks = {"llm": module("gpt", config, layout, OptimizerConfig(lr=LR), options)}
     runtime = build_runtime(experiment(world_size, blocks, global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES,
                                        seed=SEED))
-    assert runtime.microbatches == MICROBATCHES and GLOBAL_BATCH // (dp * MICROBATCHES) >= 1
-    record = Record()
-    for step, batch in enumerate(batches(config, steps)):
-        metrics = runtime.train_step(batch)
-        record.losses.append([metrics["loss"]])
-        record.grad_norms.append(metrics["grad_norm"])
-        if step == 0:
-            record.grads = module_grads(runtime)
-    return record
+    return record_run(runtime, batches(config, steps))
 
 
 def train_cases_on_ranks(rank, world_size, cases):

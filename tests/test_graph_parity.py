@@ -20,9 +20,9 @@ from hetero.kinds.vit.config import ViTConfig
 from hetero.config import OptimizerConfig
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
-from hetero.testing.experiments import experiment, module, module_grads
+from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
-from hetero.testing.parity import Record, check_parity
+from hetero.testing.parity import check_parity, record_reference, record_run
 
 VISION = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_layers=1, num_heads=4, out_size=32)
 DNA = GeneZipConfig(seq_len=64, hidden_size=32, num_heads=4, main_layers=1, local_window=8, routing_window=16,
@@ -65,27 +65,12 @@ def batches(global_batch, steps=STEPS):
 
 def reference(data):
     model = FullGraphModel(CONFIGS, seed=SEED)
-    optims = {
-        name: torch.optim.AdamW(getattr(model, name).parameters(), lr=OPTIM[name].lr, betas=(0.9, 0.95),
-                                weight_decay=0.0, eps=1e-8)
-        for name in OPTIM
-    }
-    record = Record()
-    for step, batch in enumerate(data):
-        for opt in optims.values():
-            opt.zero_grad()
+
+    def losses(batch, step):
         parts = model.losses(batch, SEED, step)
-        total = combined_loss(parts, WEIGHTS)
-        total.backward()
-        record.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        if step == 0:
-            record.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        for name, opt in optims.items():
-            for group in opt.param_groups:
-                group["lr"] = OPTIM[name].lr_at(step)
-            opt.step()
-        record.losses.append([total.item()] + [parts[k].item() for k in ("text", "dna", "video")])
-    return record
+        return [combined_loss(parts, WEIGHTS)] + [parts[k] for k in ("text", "dna", "video")]
+
+    return record_reference({name: getattr(model, name) for name in OPTIM}, OPTIM, data, losses, CLIP)
 
 
 KINDS = {"vision": ("vit", VISION), "llm": ("gpt", LLM), "dna": ("genezip", DNA), "video": ("video", VIDEO)}
@@ -102,15 +87,7 @@ def train(rank, world_size, layouts, global_batch, microbatches, data, options):
         modules[name] = module(kind, config, layouts[name], OPTIM[name], options.get(name), **weight)
     config = experiment(world_size, modules, edges=EDGES, global_batch=global_batch, microbatches=microbatches,
                         grad_clip=CLIP, seed=SEED)
-    runtime = build_runtime(config)
-    record = Record()
-    for step, batch in enumerate(data):
-        metrics = runtime.train_step(batch)
-        record.losses.append([metrics["loss"]] + [metrics[f"{name}.loss"] for name in ("llm", "dna", "video")])
-        record.grad_norms.append(metrics["grad_norm"])
-        if step == 0:
-            record.grads = module_grads(runtime)
-    return record
+    return record_run(build_runtime(config), data, ("loss", "llm.loss", "dna.loss", "video.loss"))
 
 
 CASES = {

@@ -22,9 +22,9 @@ from hetero.kinds.gpt.model import GPT, token_loss_sum  # noqa: E402
 from hetero.kinds.vit.config import ViTConfig  # noqa: E402
 from hetero.kinds.vit.model import VisionEncoder  # noqa: E402
 from hetero.runtime import build_runtime  # noqa: E402
-from hetero.testing.experiments import experiment, module, module_grads  # noqa: E402
+from hetero.testing.experiments import experiment, module  # noqa: E402
 from hetero.testing.multiprocess import run_ranks  # noqa: E402
-from hetero.testing.parity import Record, check_parity  # noqa: E402
+from hetero.testing.parity import Record, check_parity, record_reference, record_run  # noqa: E402
 
 VISION = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_layers=1, num_heads=4, out_size=32)
 SIGNAL = SignalConfig(length=32, stride=8, channels=8, out_size=32)
@@ -55,26 +55,15 @@ def reference() -> Record:
                                            ("audio", lambda: SignalEncoder(SIGNAL)))):
         torch.manual_seed(index)
         modules[name] = build()
-    model = torch.nn.ModuleDict(modules)
-    optims = {n: torch.optim.AdamW(m.parameters(), lr=OPTIM[n].lr, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
-              for n, m in modules.items()}
-    record = Record()
-    for step, batch in enumerate(batches()):
-        for opt in optims.values():
-            opt.zero_grad()
-        h = model["llm"].tok_embeddings(batch["tokens"]).clone()
-        h[:, : VISION.num_patches] = model["vision"](batch["images"])
+
+    def loss(batch, step):
+        h = modules["llm"].tok_embeddings(batch["tokens"]).clone()
+        h[:, : VISION.num_patches] = modules["vision"](batch["images"])
         rows = torch.nonzero(batch["has_signal"]).flatten()
-        h[rows, VISION.num_patches : PLACEHOLDERS] = model["audio"](batch["signal"][rows])
-        loss = token_loss_sum(model["llm"](h), batch["labels"]) / int((batch["labels"] != -100).sum())
-        loss.backward()
-        record.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        if step == 0:
-            record.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        for opt in optims.values():
-            opt.step()
-        record.losses.append([loss.item()])
-    return record
+        h[rows, VISION.num_patches : PLACEHOLDERS] = modules["audio"](batch["signal"][rows])
+        return [token_loss_sum(modules["llm"](h), batch["labels"]) / int((batch["labels"] != -100).sum())]
+
+    return record_reference(modules, OPTIM, batches(), loss, CLIP)
 
 
 def train(rank, world_size, layouts, microbatches, registry):
@@ -83,14 +72,7 @@ def train(rank, world_size, layouts, microbatches, registry):
     config = experiment(world_size, modules, edges=[("vision", "llm"), ("audio", "llm")], global_batch=BATCH,
                         microbatches=microbatches, grad_clip=CLIP)
     runtime = build_runtime(config, registry)
-    record = Record()
-    for step, batch in enumerate(batches()):
-        metrics = runtime.train_step(batch)
-        record.losses.append([metrics["loss"]])
-        record.grad_norms.append(metrics["grad_norm"])
-        if step == 0:
-            record.grads = module_grads(runtime)
-    return record, runtime.graph.schedule
+    return record_run(runtime, batches()), runtime.graph.schedule
 
 
 CASES = {

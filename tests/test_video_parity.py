@@ -14,9 +14,9 @@ from hetero.kinds.video.memory import MemoryConfig
 from hetero.kinds.video.spec import VideoModule, clip_losses
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
-from hetero.testing.experiments import experiment, module, module_grads
+from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
-from hetero.testing.parity import Record, check_parity
+from hetero.testing.parity import Record, check_parity, record_reference, record_run
 from test_video_generator import clip_frames
 
 BATCH, STEPS, LR, SEED = 4, 3, 3e-3, 5
@@ -38,32 +38,19 @@ def batches() -> list[dict[str, torch.Tensor]]:
 def reference(memory: str) -> Record:
     torch.manual_seed(SEED)
     model = VideoModule(config(memory))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
-    record = Record()
-    for step, batch in enumerate(batches()):
-        optimizer.zero_grad()
+
+    def losses(batch, step):
         total, parts = clip_losses(model, config(memory), batch["clips"], batch["index"].tolist(), None, SEED, step)
-        (total / BATCH).backward()
-        record.grad_norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
-        if step == 0:
-            record.grads = {f"video.{n}": p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        record.losses.append([total.item() / BATCH] + [parts[k].item() / BATCH for k in sorted(parts)])
-    return record
+        return [total / BATCH] + [parts[k] / BATCH for k in sorted(parts)]
+
+    return record_reference({"video": model}, {"video": OptimizerConfig(lr=LR)}, batches(), losses)
 
 
 def run(rank, world_size, layout, options, memory):
     blocks = {"video": module("video", config(memory), layout, OptimizerConfig(lr=LR), options)}
     runtime = build_runtime(experiment(world_size, blocks, global_batch=BATCH, microbatches=1, seed=SEED))
-    record = Record()
-    for step, batch in enumerate(batches()):
-        metrics = runtime.train_step(batch)
-        parts = sorted(k for k in metrics if k.startswith("video.") and k != "video.loss")
-        record.losses.append([metrics["video.loss"]] + [metrics[k] for k in parts])
-        record.grad_norms.append(metrics["grad_norm"])
-        if step == 0:
-            record.grads = module_grads(runtime)
-    return record
+    parts = sorted(f"video.{part}" for part in runtime.graph.nodes["video"].kind.loss_parts(config(memory)))
+    return record_run(runtime, batches(), ["video.loss", *parts])
 
 
 @pytest.mark.parametrize(

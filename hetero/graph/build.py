@@ -22,6 +22,7 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
     """The experiment's graph of modules and edges; ``ConfigError`` listing every problem found."""
     registry = registry or default_registry()
     _check_names(experiment, registry)
+    order = _topological_order(list(experiment.modules), [(e.src, e.dst) for e in experiment.edges])
     placement = place(
         {name: module.layout for name, module in experiment.modules.items()}, experiment.world_size, experiment.placement
     )
@@ -42,7 +43,6 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
     errors += edge_errors
     if errors:
         raise ConfigError("\n".join(errors))
-    order = _topological_order(list(nodes), edges)
     _check_connected(nodes, edges)
     schedule = _schedule(experiment, placement)
     return Graph(nodes, tuple(edges), order, placement, schedule)
@@ -192,19 +192,19 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
     return edges, errors
 
 
-def _topological_order(names: list[str], edges: list[Edge]) -> tuple[str, ...]:
+def _topological_order(names: list[str], edges: list[tuple[str, str]]) -> tuple[str, ...]:
     order, state = [], dict.fromkeys(names, 0)  # 0 unseen, 1 on the path, 2 done
 
     def visit(name: str, path: list[str]) -> None:
         if state[name] == 2:
             return
         if state[name] == 1:
-            cycle = path[path.index(name):] + [name]
+            cycle = list(reversed(path[path.index(name):] + [name]))  # in the edges' direction
             raise ConfigError(f"edges form a cycle {' -> '.join(cycle)}; a module graph must be acyclic")
         state[name] = 1
-        for edge in edges:
-            if edge.dst == name:
-                visit(edge.src, path + [name])
+        for src, dst in edges:
+            if dst == name:
+                visit(src, path + [name])
         state[name] = 2
         order.append(name)
 

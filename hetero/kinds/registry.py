@@ -12,7 +12,7 @@ A kind is what the runtime needs to train a module of it, whatever graph it sits
 - ``stage(model, step)``: one microbatch on this rank's pipeline stage (``StageStep`` in,
   ``StageResult`` out): the activation for the next stage, or on the last stage its outputs, its loss
   as sums over the rows it holds, and in evaluation its metrics;
-- ``loss_count(columns)``: the global divisor of those sums (rows, or supervised tokens).
+- ``loss_count(batch, rows)``: the global divisor of those sums (rows, or supervised tokens).
 
 User code registers its own kinds the same way (``registry.register(MyKind())``), or ships them as an
 entry point in the group ``hetero.kinds`` that ``default_registry()`` loads.
@@ -139,9 +139,9 @@ class Kind:
         """(name, reduce) of each evaluation metric ``stage`` reports for a batch with columns ``available``."""
         return []
 
-    def loss_count(self, columns: dict[str, torch.Tensor]) -> int:
-        """The divisor of the loss sums over the global batch (``columns``: the module's rows of it)."""
-        return len(next(iter(columns.values()))) if columns else 0
+    def loss_count(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> int:
+        """The divisor of the loss sums over the global ``batch``, of which the module processes ``rows``."""
+        return len(rows)
 
     def stage(self, model: nn.Module, step: StageStep) -> StageResult:
         raise NotImplementedError

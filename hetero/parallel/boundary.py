@@ -52,16 +52,6 @@ import torch
 import torch.distributed as dist
 
 from hetero.errors import ConfigError
-from hetero.parallel.boundary_blocks import (
-    OwnRange,
-    Values,
-    copy_blocks,
-    gather_blocks,
-    length,
-    part,
-    scatter_blocks,
-    store,
-)
 from hetero.parallel.boundary_plan import (
     Entry,
     RankPlan,
@@ -76,7 +66,22 @@ from hetero.parallel.boundary_plan import (
     replica_groups,
     side_boxes,
 )
-from hetero.parallel.boundary_wire import DIRECTIONS, BoundaryError, Direction, Wire, message_tag, unpack
+from hetero.parallel.boundary_wire import (
+    DIRECTIONS,
+    BoundaryError,
+    Direction,
+    OwnRange,
+    Values,
+    Wire,
+    copy_blocks,
+    gather_blocks,
+    length,
+    message_tag,
+    part,
+    scatter_blocks,
+    store,
+    unpack,
+)
 from hetero.parallel.layout import Layout
 
 __all__ = ["Boundary", "BoundaryError", "Rows", "Sharding", "Side", "TensorSpec", "Transfer"]

@@ -11,6 +11,10 @@ answers by aborting the process, measured). A dead peer or a missing call raises
 timeout (gloo honours it for send and receive). NCCL ignores tags and completes a batch as a whole, so
 there a mismatched call surfaces as NCCL's own error or the timeout.
 
+A piece's elements (``boundary_plan.Piece``: blocks, each a dense sub-box of both sides' local tensors)
+travel flattened block after block, row-major: the canonical order both sides derive alike; senders
+gather them from their local tensor (``Values``), receivers scatter them into theirs.
+
 Bytes are counted per direction, split into cross-module (between different processes across the
 boundary), intra-module (completion within replica groups) and local copies (no wire); headers apart.
 """
@@ -26,7 +30,7 @@ from typing import Callable, Literal, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from hetero.parallel.boundary_plan import SUPPORTED_DTYPES, Entry, Messages, TensorSpec
+from hetero.parallel.boundary_plan import SUPPORTED_DTYPES, Block, Entry, Messages, Piece, TensorSpec
 
 Direction = Literal["forward", "backward"]
 DIRECTIONS: tuple[Direction, ...] = ("forward", "backward")
@@ -225,7 +229,7 @@ class Wire:
                rows: Sequence[int]) -> Header:
         name = self.name.encode()[:NAME_BYTES].ljust(NAME_BYTES, b"\0")
         words = [HEADER_MAGIC, self.digest, DIRECTIONS.index(direction), call]
-        call_words = torch.cat([torch.tensor(words), torch.frombuffer(bytearray(name), dtype=torch.int64)])
+        call_words = torch.cat([torch.tensor(words, device="cpu"), torch.frombuffer(bytearray(name), dtype=torch.int64)])
         shape_words = []
         for key, spec in self.specs.items():
             shape_words += [SUPPORTED_DTYPES.index(spec.dtype), *shapes.get(key, (0,) * spec.ndim)]
@@ -318,3 +322,85 @@ def _wait_order(message: Message, is_recv: bool) -> int:
     if is_recv and message.kind == "header":
         return 0 if message.tag == HEADER_TAG else 1
     return 2
+
+
+# ----------------------------------------------------------------- pieces in local tensors
+
+
+class Values:
+    """An entry's values, from flat per-piece buffers; ``packed_from`` packs them from local tensors on
+    first use (once per piece)."""
+
+    def __init__(
+        self, flat: dict[int, torch.Tensor], tensors: Mapping[str, torch.Tensor] | None = None, side: str = ""
+    ):
+        self.flat = flat
+        self.tensors = tensors
+        self.side = side
+
+    @classmethod
+    def packed_from(cls, tensors: Mapping[str, torch.Tensor], side: str) -> Values:
+        return cls({}, tensors, side)
+
+    def __call__(self, entry: Entry) -> torch.Tensor:
+        piece = entry.piece
+        if piece.index not in self.flat:
+            assert self.tensors is not None, "a buffer was not filled before its values were sent"
+            self.flat[piece.index] = gather_blocks(self.tensors[piece.key], piece, self.side)
+        return self.flat[piece.index][entry.start : entry.stop]
+
+
+class OwnRange:
+    """An entry's values from buffers that hold only this rank's receiver range of each piece."""
+
+    def __init__(self, buffers: dict[int, torch.Tensor], rank: int):
+        self.buffers = buffers
+        self.rank = rank
+
+    def __call__(self, entry: Entry) -> torch.Tensor:
+        start = entry.piece.receiver_range(self.rank)[0]
+        return self.buffers[entry.piece.index][entry.start - start : entry.stop - start]
+
+
+def block_view(tensor: torch.Tensor, block: Block, side: str) -> torch.Tensor:
+    view = tensor
+    for dim, run in enumerate(block):
+        start = run.src if side == "src" else run.dst
+        if start != 0 or run.length != view.shape[dim]:
+            view = view.narrow(dim, start, run.length)
+    return view
+
+
+def gather_blocks(tensor: torch.Tensor, piece: Piece, side: str) -> torch.Tensor:
+    """The piece's elements in their canonical flat order, read from one side's local tensor."""
+    views = [block_view(tensor, block, side).reshape(-1) for block in piece.blocks]
+    return views[0] if len(views) == 1 else torch.cat(views)
+
+
+def scatter_blocks(flat: torch.Tensor, tensor: torch.Tensor, piece: Piece, side: str) -> None:
+    """Write the piece's flat elements into one side's local tensor."""
+    offset = 0
+    for block in piece.blocks:
+        view = block_view(tensor, block, side)
+        view.copy_(flat[offset : offset + view.numel()].view(view.shape))
+        offset += view.numel()
+
+
+def copy_blocks(source: torch.Tensor, destination: torch.Tensor, piece: Piece) -> None:
+    for block in piece.blocks:
+        block_view(destination, block, "dst").copy_(block_view(source, block, "src"))
+
+
+def store(buffers: dict[int, torch.Tensor]) -> Callable[[Entry, torch.Tensor], None]:
+    def put(entry: Entry, values: torch.Tensor) -> None:
+        buffers[entry.piece.index][entry.start : entry.stop].copy_(values)
+
+    return put
+
+
+def part(flat: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    return flat[span[0] : span[1]]
+
+
+def length(span: tuple[int, int]) -> int:
+    return span[1] - span[0]

@@ -130,7 +130,7 @@ def build_module_meshes(
         mesh = DeviceMesh.from_group(
             [mine[axis] for axis in MESH_AXES],
             device_type,
-            mesh=torch.tensor(layout.ranks).reshape(layout.shape),
+            mesh=torch.tensor(layout.ranks, device="cpu").reshape(layout.shape),
             mesh_dim_names=MESH_AXES,
         )
         meshes[name] = ModuleMesh(name, layout, coord, mesh, mine, mine_ranks)

@@ -70,7 +70,7 @@ class ModuleState:
             grad = local_grad(param)
             if grad is None:
                 continue
-            value = grad.double().pow(2).sum()
+            value = torch.linalg.vector_norm(grad, dtype=torch.float64).square()  # accumulated in float64
             placements = param.grad.placements if isinstance(param.grad, DTensor) else ()
             if any(isinstance(p, Shard) for p in placements):
                 sharded += value

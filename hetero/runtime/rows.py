@@ -1,6 +1,6 @@
 """Which rows of a global batch each module and each edge carries, per microbatch, and each DP replica's.
 
-Microbatch ``m`` is rows ``[m·B/n, (m+1)·B/n)`` of the global batch. A module processes the rows whose
+All of it is host-side bookkeeping (CPU tensors, made so explicitly). Microbatch ``m`` is rows ``[m·B/n, (m+1)·B/n)`` of the global batch. A module processes the rows whose
 presence flag for its kind's modality (``has_<modality>``) is set, or every row; its DP replicas split
 those rows into contiguous runs, earlier replicas taking the extra row. An edge carries the rows both its
 modules process, in order, so each replica on either side holds one contiguous run of them. Every rank
@@ -20,7 +20,7 @@ def presence(batch: dict[str, torch.Tensor], modality: str | None) -> torch.Tens
     """(B,) bool: the rows carrying ``modality`` (every row without a modality or without the flag)."""
     size = len(next(iter(batch.values())))
     flag = batch.get(f"has_{modality}") if modality is not None else None
-    return torch.ones(size, dtype=torch.bool) if flag is None else flag.bool().cpu()
+    return torch.ones(size, dtype=torch.bool, device="cpu") if flag is None else flag.bool().cpu()
 
 
 class StepRows:
@@ -36,6 +36,11 @@ class StepRows:
             name: [span.start + torch.nonzero(flags[span]).flatten() for span in self.spans]
             for name, flags in self.present.items()
         }
+        self._memo: dict[tuple, object] = {}
+
+    def all(self, name: str) -> torch.Tensor:
+        """Every global row module ``name`` processes in the batch."""
+        return torch.nonzero(self.present[name]).flatten()
 
     def module(self, name: str, m: int) -> torch.Tensor:
         """The global rows module ``name`` processes in microbatch ``m``."""
@@ -47,8 +52,11 @@ class StepRows:
         return rows[dp_rows(len(rows), dp_rank, self.graph.nodes[name].layout.dp)]
 
     def edge(self, edge: Edge, m: int) -> torch.Tensor:
-        src = self._rows[edge.src][m]
-        return src[torch.isin(src, self._rows[edge.dst][m])]
+        key = ("edge", edge.index, m)
+        if key not in self._memo:
+            src = self._rows[edge.src][m]
+            self._memo[key] = src[torch.isin(src, self._rows[edge.dst][m])]
+        return self._memo[key]
 
     def carried(self, edge: Edge, m: int, module: str, dp_rank: int) -> torch.Tensor:
         """The edge's rows (global) that ``module``'s replica ``dp_rank`` holds, in order."""
@@ -61,9 +69,10 @@ class StepRows:
 
     def split(self, edge: Edge, m: int) -> Rows:
         """Each side's per-replica count of the edge's rows."""
-        def counts(module: str) -> tuple[int, ...]:
-            carried = self.edge(edge, m)
-            return tuple(int(torch.isin(self.local(module, m, d), carried).sum())
-                         for d in range(self.graph.nodes[module].layout.dp))
+        key = ("split", edge.index, m)
+        if key not in self._memo:
+            def counts(module: str) -> tuple[int, ...]:
+                return tuple(len(self.carried(edge, m, module, d)) for d in range(self.graph.nodes[module].layout.dp))
 
-        return Rows(counts(edge.src), counts(edge.dst))
+            self._memo[key] = Rows(counts(edge.src), counts(edge.dst))
+        return self._memo[key]

@@ -25,8 +25,7 @@ from torch.distributed.tensor import DTensor
 from hetero.graph.graph import Graph
 from hetero.parallel.compression.collective import Collective
 from hetero.parallel.mesh import ModuleMesh
-from hetero.runtime.edges import RuntimeEdge
-from hetero.runtime.executor import Executor
+from hetero.runtime.executor import Executor, RuntimeEdge
 from hetero.runtime.links import StageLinks
 from hetero.runtime.module import ModuleState
 from hetero.runtime.rows import StepRows
@@ -79,10 +78,9 @@ class Runtime:
         executor.run(self.actions[True])
         for module in self.modules.values():
             module.settle_grads()
-        metrics = self._reduced_losses(self._loss_sums(executor), self._loss_counts(executor))
         bad_losses = {name: any(not torch.isfinite(_local(r.loss)).all() for r in results if r.loss is not None)
                       for name, results in executor.results.items()}
-        self.nonfinite = self._nonfinite(bad_losses)
+        metrics, self.nonfinite = self._losses_and_nonfinite(executor, bad_losses)
         if self.nonfinite:
             for key, end in self.edge_ends().items():
                 end.load_state_dict(edge_states[key])
@@ -168,11 +166,15 @@ class Runtime:
         return sums
 
     def _loss_counts(self, executor: Executor) -> torch.Tensor:
-        return torch.tensor([float(executor.counts[name]) for name, _ in self._loss_keys()], dtype=torch.float64)
+        return torch.tensor([float(executor.counts[name]) for name, _ in self._loss_keys()], dtype=torch.float64,
+                            device="cpu")
 
     def _reduced_losses(self, sums: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
         """Every module's loss and parts over the global batch(es), and the loss-weighted sum, on every rank."""
         dist.all_reduce(sums)
+        return self._losses_from(sums, counts)
+
+    def _losses_from(self, sums: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
         keys = self._loss_keys()
         out = {f"{name}.{part}": value / count for (name, part), value, count in zip(keys, sums.tolist(), counts.tolist())}
         combined = sum(self.graph.nodes[name].settings.loss_weight * out[f"{name}.loss"] for name, part in keys
@@ -205,17 +207,23 @@ class Runtime:
         return {f"{name}.{metric}": float(lows[i]) if reduce == "min" else float(sums[i, 0] / sums[i, 1].clamp(min=1))
                 for i, (name, metric, reduce) in enumerate(keys)}
 
-    def _nonfinite(self, bad_losses: dict[str, bool]) -> dict[str, list[int]]:
-        """Modules with a NaN or infinite loss or gradient on some rank, and those ranks (the same on every
-        rank). Checked before the gradient sync, which would spread the values."""
-        names = list(self.graph.nodes)
-        flags = torch.zeros(len(names), dist.get_world_size(), device=self.device)
+    def _losses_and_nonfinite(self, executor: Executor, bad_losses: dict[str, bool]):
+        """The step's losses (as ``_reduced_losses``) and the modules with a NaN or infinite loss or gradient
+        on some rank, with those ranks (the same on every rank), in one all-reduce. Checked before the
+        gradient sync, which would spread the values."""
+        names, world = list(self.graph.nodes), dist.get_world_size()
+        flags = torch.zeros(len(names), world, dtype=torch.float64, device=self.device)
         for i, name in enumerate(names):
             module = self.modules.get(name)
-            bad = (module is not None and bool(module.nonfinite())) or bad_losses.get(name, False)
+            bad = (module is not None and module.nonfinite()) or bad_losses.get(name, False)
             flags[i, self.rank] = float(bad)
-        dist.all_reduce(flags)
-        return {name: [int(r) for r in torch.nonzero(flags[i]).flatten()] for i, name in enumerate(names) if flags[i].any()}
+        sums = self._loss_sums(executor)
+        both = torch.cat([sums, flags.flatten()])
+        dist.all_reduce(both)
+        flags = both[len(sums):].view(len(names), world)
+        nonfinite = {name: [int(r) for r in torch.nonzero(flags[i]).flatten()]
+                     for i, name in enumerate(names) if flags[i].any()}
+        return self._losses_from(both[: len(sums)], self._loss_counts(executor)), nonfinite
 
     def _clip(self) -> float:
         """The global gradient norm over every module, agreed by every rank; clipped when it exceeds
@@ -228,9 +236,9 @@ class Runtime:
         # Every rank of a module holds the same value and the others hold 0: MAX agrees world-wide. (Under
         # DiLoCo a module's replicas hold different local gradients; MAX then takes the largest norm.)
         nonfinite = (~torch.isfinite(squares)).to(torch.float64)
-        squares = torch.nan_to_num(squares, nan=0.0, posinf=0.0)
-        dist.all_reduce(squares, op=dist.ReduceOp.MAX)
-        dist.all_reduce(nonfinite, op=dist.ReduceOp.MAX)
+        both = torch.cat([torch.nan_to_num(squares, nan=0.0, posinf=0.0), nonfinite])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        squares, nonfinite = both[: len(names)], both[len(names):]
         if nonfinite.any():
             return math.inf
         norm = math.sqrt(float(squares.sum()))

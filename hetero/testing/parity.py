@@ -22,9 +22,13 @@ would hide from the gradients themselves.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
+
+from hetero.config import OptimizerConfig
 
 LATER_NORM_TOLERANCE = 1e-3
 
@@ -77,3 +81,55 @@ def check_parity(ranks: list[Record], reference: Record, what: str, tolerance: f
         assert error <= tolerance, f"{what}: gradient {name} relative error {error:.1e}"
     return (f"{what}: worst loss rel error {loss_error:.1e}, grad norm {norm_errors[0]:.1e} at step 1 and "
             f"{max(norm_errors[1:], default=0):.1e} later, gradient {grad_error:.1e} ({worst})")
+
+
+def record_run(runtime, batches: Iterable[dict], keys: Sequence[str] = ("loss",)) -> Record:
+    """Train ``runtime`` (a ``hetero.runtime.Runtime``) on ``batches``: each step's metrics named by
+    ``keys``, its gradient norm before clipping, and every gradient this rank holds after the first step
+    (``module_grads``: collective over each module's ranks)."""
+    from hetero.testing.experiments import module_grads
+
+    record = Record()
+    for step, batch in enumerate(batches):
+        metrics = runtime.train_step(batch)
+        record.losses.append([metrics[key] for key in keys])
+        record.grad_norms.append(metrics["grad_norm"])
+        if step == 0:
+            record.grads = module_grads(runtime)
+    return record
+
+
+def record_reference(
+    modules: Mapping[str, nn.Module],
+    optim: Mapping[str, OptimizerConfig],
+    batches: Iterable[dict],
+    losses: Callable[[dict, int], list[torch.Tensor]],
+    clip: float = 0.0,
+    before_step: Callable[[int], None] | None = None,
+) -> Record:
+    """The same as ``record_run`` for ``modules`` in one process: per module AdamW (``optim``, its
+    learning rate per step), ``losses(batch, step)`` (the first is backpropagated, all are recorded), one
+    gradient-norm clip over every module (``clip`` > 0), gradients named ``<module>.<parameter>``."""
+    params = [p for m in modules.values() for p in m.parameters()]
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=optim[name].lr, betas=(optim[name].beta1, optim[name].beta2),
+                                          weight_decay=optim[name].weight_decay, eps=optim[name].eps)
+                  for name, m in modules.items()}
+    record = Record()
+    for step, batch in enumerate(batches):
+        if before_step is not None:
+            before_step(step)
+        for opt in optimizers.values():
+            opt.zero_grad()
+        values = losses(batch, step)
+        values[0].backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else torch.nn.utils.get_total_norm(
+            [p.grad for p in params if p.grad is not None])
+        record.grad_norms.append(float(norm))
+        if step == 0:
+            record.grads = {f"{name}.{n}": p.grad.clone() for name, m in modules.items() for n, p in m.named_parameters()}
+        for name, opt in optimizers.items():
+            for group in opt.param_groups:
+                group["lr"] = optim[name].lr_at(step)
+            opt.step()
+        record.losses.append([float(v) for v in values])
+    return record

@@ -49,7 +49,7 @@ class GeneZipConfig:
 
     def region_targets(self) -> torch.Tensor:
         """Stage 1's bases-per-token target of every region id (``REGIONS`` order)."""
-        return torch.tensor([float(self.region_bpt.get(name, self.target_bpt)) for name in REGIONS])
+        return torch.tensor([float(self.region_bpt.get(name, self.target_bpt)) for name in REGIONS], device="cpu")
 
     @property
     def stride(self) -> int:

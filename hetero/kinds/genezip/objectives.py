@@ -65,7 +65,7 @@ def genezip_loss(
         else:
             ratio = ratio + ratio_loss(output.routings[0], targets, regions)
         for routing in output.routings[1:]:
-            ratio = ratio + ratio_loss(routing, torch.tensor([config.inner_bpt]), None)
+            ratio = ratio + ratio_loss(routing, torch.tensor([config.inner_bpt], device="cpu"), None)
     return GeneZipLoss(prediction, ratio)
 
 
@@ -122,8 +122,8 @@ def heldout_metrics(model: GeneZip, batches: Iterable[dict[str, torch.Tensor]]) 
     region (a prediction counts in its target base's region), the achieved bases per token per region and
     overall, and the fewest chunk starts in any full routing window and in any sequence (stage 1).
     ``model`` routes the raw bases; the region labels only sort the counts."""
-    nats = torch.zeros(len(REGIONS), dtype=torch.float64)
-    bases = torch.zeros(len(REGIONS), dtype=torch.float64)
+    nats = torch.zeros(len(REGIONS), dtype=torch.float64, device="cpu")
+    bases = torch.zeros(len(REGIONS), dtype=torch.float64, device="cpu")
     counts = None
     for batch in batches:
         output = model(batch["bases"])

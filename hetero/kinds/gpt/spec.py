@@ -56,8 +56,8 @@ class GPTKind(Kind):
     def outputs(self, config: GPTConfig) -> dict[str, Port]:
         return {"hidden": Port(config.hidden_size, tokens=config.seq_len, field="hidden_size")}
 
-    def loss_count(self, columns: dict[str, torch.Tensor]) -> int:
-        return int((columns["labels"] != IGNORE_INDEX).sum())
+    def loss_count(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> int:
+        return int((batch["labels"][rows] != IGNORE_INDEX).sum())
 
     def compute(self, mesh: ModuleMesh) -> ContextManager:
         return loss_parallel() if mesh.layout.tp > 1 else contextlib.nullcontext()

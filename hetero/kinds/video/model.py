@@ -237,7 +237,7 @@ def training_distances(
     frames = len(schedule)
     clean = frames * patches
     length = clean + (frames - 1) * patches
-    out = torch.full((length, length), MASKED, dtype=torch.long)
+    out = torch.full((length, length), MASKED, dtype=torch.long, device="cpu")  # host-side, like the schedule
     for t in range(frames):
         seen = soft_frame_distances(schedule[t], t) if soft else frame_distances(schedule[t], t, bounded)
         for j, d in seen.items():
@@ -292,6 +292,7 @@ class FrameCache:
                 f"pass an ImportanceRouter exactly for policy=learned"
             )
         self.model, self.memory, self.router = model, memory, router
+        self.device = next(model.parameters()).device
         self.condition = model.conditioning(condition)
         self.book = FrameMemory(memory)
         self.cache: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # frame -> per-block (k, v)
@@ -305,13 +306,14 @@ class FrameCache:
         for j in kept:
             row += [min(seen[j], self.model.config.max_distance)] * own
         row += [0] * own
-        distances = torch.tensor(row, dtype=torch.long).expand(queries, -1)
+        device = self.device
+        distances = torch.tensor(row, dtype=torch.long, device=device).expand(queries, -1)
         if self.router is None:
             return distances, None, kept
         importance = self.book.importance
-        old = torch.tensor([j < frame - self.memory.window for j in kept] + [False])
-        weights = torch.tensor([importance[j] for j in kept] + [1.0])
-        bias = torch.where(old, log_importance(weights), torch.zeros(()))
+        old = torch.tensor([j < frame - self.memory.window for j in kept] + [False], device=device)
+        weights = torch.tensor([importance[j] for j in kept] + [1.0], device=device)
+        bias = torch.where(old, log_importance(weights), torch.zeros((), device=device))
         bias = bias.repeat_interleave(own).expand(queries, -1)
         return distances, bias, kept
 
@@ -353,7 +355,7 @@ class FrameCache:
             evicted = self.book.admit(frame, key)
         else:
             kept = self.book.kept
-            frames = torch.tensor(kept + [frame])
+            frames = torch.tensor(kept + [frame], device=self.device)
             cached = torch.stack([self.keys[j] for j in kept] + [key])
             scores = self.router(cached, frames, key[None], frames[-1:])[:, 0]
             self.book.update_importance({j: float(scores[i]) for i, j in enumerate(kept)})

@@ -115,7 +115,7 @@ def flow_matching_loss(
     for b, clip_memory in enumerate(memories):  # each clip has its own memory schedule
         scores = None
         if clip_memory.policy == "learned":
-            scores = torch.rand(count, count, generator=generator)
+            scores = torch.rand(count, count, generator=generator, device="cpu")  # the schedule is host-side
         distances, _, _ = clip_attention(model, summaries[b], clip_memory, scores=scores)
         out = model(tokens[b : b + 1], distances.to(frames.device))[:, count * per_frame :]
         losses.append(F.mse_loss(out, target[b].reshape(1, -1, target.shape[-1])))
@@ -189,7 +189,8 @@ def rollout(
     out = [patches[t] for t in range(min(prompt, patches.shape[0]))]
     for t in range(patches.shape[0]):
         if t >= prompt:
-            noise = torch.randn((1, config.patches_per_frame, config.patch_dim), generator=generator)
+            noise = torch.randn((1, config.patches_per_frame, config.patch_dim), generator=generator, device="cpu")
+            noise = noise.to(frames.device)
             out.append(cache.predict(noise)[0])
         cache.append(out[t][None])
     return unpatchify(torch.stack(out), config.patch_size, config.channels)

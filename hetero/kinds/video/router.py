@@ -25,7 +25,7 @@ PERIODS = (2.0, 4.0, 8.0, 16.0)  # sinusoidal features of a frame's index
 def index_features(frames: torch.Tensor) -> torch.Tensor:
     """(n,) frame indices -> (n, 1 + 2·len(PERIODS)) features."""
     f = frames.to(torch.float32)[:, None]
-    angles = 2 * math.pi * f / torch.tensor(PERIODS)
+    angles = 2 * math.pi * f / torch.tensor(PERIODS, device=f.device)
     return torch.cat([torch.log1p(f) / INDEX_SCALE, angles.sin(), angles.cos()], 1)
 
 
@@ -60,7 +60,7 @@ class ImportanceRouter(nn.Module):
 
     def clip_scores(self, summaries: torch.Tensor) -> torch.Tensor:
         """(T, d) summaries of one clip's frames -> (T, T) scores, [j, t]: frame j when t is admitted."""
-        frames = torch.arange(summaries.shape[0])
+        frames = torch.arange(summaries.shape[0], device=summaries.device)
         return self(summaries, frames, summaries, frames)
 
 
@@ -69,10 +69,10 @@ def ema_importance(scores: torch.Tensor, ema: float) -> torch.Tensor:
     admitted, ``s[j, j]`` at admission and ``ema · I + (1 - ema) · s[j, t]`` after each later frame —
     what ``FrameMemory.update_importance`` tracks, for every frame and step at once (zero for t < j)."""
     count = scores.shape[0]
-    steps = torch.arange(count)
+    steps = torch.arange(count, device=scores.device)
     gap = (steps[None] - steps[:, None]).to(scores.dtype)  # [u, t] = t - u
     later = gap >= 0
-    decay = torch.where(later, torch.tensor(ema, dtype=scores.dtype) ** gap.clamp(min=0), torch.zeros_like(gap))
+    decay = torch.where(later, torch.full_like(gap, ema) ** gap.clamp(min=0), torch.zeros_like(gap))
     folded = torch.triu(scores, 1) @ ((1 - ema) * decay)  # Σ over later frames u of (1-ema)·ema^(t-u)·s[j,u]
     return (folded + scores.diagonal()[:, None] * decay) * later
 
@@ -85,8 +85,8 @@ def memory_frame_bias(importance: torch.Tensor, window: int) -> torch.Tensor:
     """(T, T) score bias, [q, j]: what frame q (being made) adds to its attention on frame j: the
     log-importance j has once q-1 is admitted, for frames older than the fast window; 0 otherwise."""
     count = importance.shape[0]
-    q = torch.arange(count)[:, None]
-    j = torch.arange(count)[None]
+    q = torch.arange(count, device=importance.device)[:, None]
+    j = torch.arange(count, device=importance.device)[None]
     previous = torch.cat([importance.new_ones(count, 1), importance[:, :-1]], 1).T  # [q, j] = I[j, q-1]
     return torch.where(j < q - window, log_importance(previous), torch.zeros_like(previous))
 
@@ -95,7 +95,7 @@ def sparsity(importance: torch.Tensor, window: int) -> torch.Tensor:
     """Mean importance of the frames that some later frame sees outside its fast window (entry [j, t]
     biases frame t+1 when j < t+1 - window): the L1 pull towards a memory that keeps few old frames."""
     count = importance.shape[0]
-    j = torch.arange(count)[:, None]
-    t = torch.arange(count)[None]
+    j = torch.arange(count, device=importance.device)[:, None]
+    t = torch.arange(count, device=importance.device)[None]
     old = (j + window <= t) & (t < count - 1)
     return importance[old].mean() if bool(old.any()) else importance.sum() * 0

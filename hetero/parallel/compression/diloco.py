@@ -22,6 +22,7 @@ groups, where a round that fails to commit is dropped and the replica returns to
 
 from __future__ import annotations
 
+import math
 import copy
 from typing import Iterable
 
@@ -111,8 +112,7 @@ class DiLoCo:
         self.rounds += 1
 
     def residual_norm(self) -> float:
-        squares = sum((r.double().pow(2).sum() for r in self.residual.values()), torch.zeros(()))
-        return float(squares.sqrt())
+        return math.sqrt(sum(float(r.double().pow(2).sum()) for r in self.residual.values()))
 
     def state_dict(self) -> dict:
         return {

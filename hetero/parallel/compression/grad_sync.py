@@ -13,6 +13,7 @@ Every buffer is in ``state_dict()``, so a resumed run continues exactly.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -69,8 +70,7 @@ class CompressedGradSync:
 
     def residual_norm(self) -> float:
         """L2 norm of every error-feedback residual on this replica (0 without ``ef``)."""
-        squares = sum((r.double().pow(2).sum() for r in self.buffers["residual"].values()), torch.zeros(()))
-        return float(squares.sqrt())
+        return math.sqrt(sum(float(r.double().pow(2).sum()) for r in self.buffers["residual"].values()))
 
     def state_dict(self) -> dict:
         return {

@@ -13,6 +13,7 @@ for the sum, so each replica's share of it is one n-th.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Iterable
 
@@ -83,8 +84,7 @@ class PowerSGDGradSync:
             g.copy_(approximation.view_as(g))
 
     def residual_norm(self) -> float:
-        squares = sum((r.double().pow(2).sum() for r in self.residual.values()), torch.zeros(()))
-        return float(squares.sqrt())
+        return math.sqrt(sum(float(r.double().pow(2).sum()) for r in self.residual.values()))
 
     def state_dict(self) -> dict:
         return {"residual": {n: t.clone() for n, t in self.residual.items()}, "q": {n: t.clone() for n, t in self.q.items()}}
@@ -98,7 +98,7 @@ def initial_q(name: str, columns: int, rank: int, seed: int) -> torch.Tensor:
     """The warm start's first ``Q`` (columns × rank) of parameter ``name``: the same on every replica, and
     different for every name (a hash of the name, not a sum of its characters, which anagrams share)."""
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-    return torch.randn(columns, rank, generator=generator)
+    return torch.randn(columns, rank, generator=generator, device="cpu")
 
 
 def _copy_pieces(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:

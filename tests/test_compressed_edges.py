@@ -251,7 +251,7 @@ def test_identity_codec_is_bitwise_the_uncompressed_boundary(case):
 
 def vlm_emulation(config: EdgeCompressionConfig, steps: int) -> tuple[list[float], dict]:
     """The whole VLM in one process with edges after the encoder and after the LLM's first layer. The
-    global batch runs as one pass: each edge row is keyed by its global row, as the trainer keys it."""
+    global batch runs as one pass: each edge row is keyed by its global row, as the runtime keys it."""
     model = VisionLanguageModel(VISION, LLM, seed=0)
     boundary, stages = edge_ends(config), edge_ends(config)
     model.vision.register_forward_hook(lambda module, args, out: EdgeFunction.apply(out, *boundary, 0))

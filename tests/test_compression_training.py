@@ -85,7 +85,7 @@ def rows(tokens, replica, replicas=2):
 
 
 def replica_grads(model, tokens, labels, replica, normalizer):
-    """This replica's loss and flat gradient, accumulated over microbatches as the trainer does (a
+    """This replica's loss and flat gradient, accumulated over microbatches as the runtime does (a
     different summation order would move quantization and top-k decisions at their boundaries)."""
     model.zero_grad(set_to_none=True)
     total = 0.0

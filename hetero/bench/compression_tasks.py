@@ -1,4 +1,4 @@
-"""The two training tasks of ``bench compression``, each runnable by hetero's trainers or by a peer.
+"""The two training tasks of ``bench compression``, each runnable by hetero's runtime or by a peer.
 
 - ``text``: a small byte-level GPT on Python's standard-library sources (global batch 16, seq 64); the
   score is the mean held-out token loss (nats) at the end.

@@ -128,7 +128,7 @@ def model_flops(experiment: ExperimentConfig, dna_forward_per_sample: float | No
 
 def dna_forward_flops_per_sample(experiment: ExperimentConfig) -> float:
     """GeneZip's forward FLOPs per window, counted on the first training batch of real windows with the
-    trainer's initial weights (dynamic chunking makes the count depend on both)."""
+    runtime's initial weights (dynamic chunking makes the count depend on both)."""
     from hetero.kinds.genezip.model import GeneZip
     from hetero.train.datasets import load
 

@@ -146,6 +146,10 @@ class Kind:
     def stage(self, model: nn.Module, step: StageStep) -> StageResult:
         raise NotImplementedError
 
+    def stage_shape(self, config: Any, rows: int, layout: Layout, options: ParallelOptions) -> tuple[int, ...]:
+        """The activation a later pipeline stage receives for ``rows`` local rows (kinds that take pp > 1)."""
+        raise NotImplementedError(f"kind {self.name!r} has no pipeline stages; run it with pp=1")
+
     def compute(self, mesh: ModuleMesh) -> ContextManager:
         """The context every forward and backward of the module runs in (e.g. loss parallelism)."""
         return contextlib.nullcontext()

@@ -1,6 +1,6 @@
 """How a module's data-parallel replicas agree: a gradient sync every step, or DiLoCo's outer rounds.
 
-A trainer calls ``before_step()`` after every microbatch's backward and ``after_step()`` after its
+The runtime calls ``before_step()`` after every microbatch's backward and ``after_step()`` after its
 optimizer step. With a per-step sync the first sums the replicas' gradients (compressed or not) and the
 second does nothing; with DiLoCo the first turns this replica's share of the global-mean gradient into its
 own mean gradient (the losses are normalized by the global token count) and the second counts the inner

@@ -90,7 +90,8 @@ class Executor:
         host = {k: self.batch[k][local] for k in keys}
         received = None
         if not mesh.is_first_stage:
-            received = self.runtime.links[name].recv_activation(m, self.runtime.stage_shape(name, len(local)))
+            shape = node.kind.stage_shape(node.config, len(local), mesh.layout, node.options)
+            received = self.runtime.links[name].recv_activation(m, shape)
             received = received.detach().requires_grad_(self.training)
         step = StageStep(node.config, mesh, node.options, module.device, {k: v.to(module.device) for k, v in host.items()},
                          host, local, self.arrivals.pop((name, m), []) if mesh.is_first_stage else [], received,
@@ -121,7 +122,7 @@ class Executor:
                     tensors.append(result.loss / self.counts[name] * node.settings.loss_weight)
                     grads.append(None)
                 returned = self.output_grads.pop((name, m), {})
-                for port in {e.output for e in self.graph.out_edges(name)}:
+                for port in dict.fromkeys(e.output for e in self.graph.out_edges(name)):  # edge order, every rank alike
                     output = result.outputs[port]
                     tensors.append(output)
                     grads.append(returned.get(port, torch.zeros_like(output)))
@@ -202,9 +203,10 @@ class RuntimeEdge:
     def is_destination(self) -> bool:
         return self.plain.is_destination
 
-    def begin(self, training: bool, source_rows, destination_rows, fresh: bool, sample_ids) -> None:
-        """A pass starts; a training pass through a codec keys its compensation by each side's rows."""
-        self.use_codec = training and self.codec is not None
+    def begin(self, compressed: bool, source_rows, destination_rows, fresh: bool, sample_ids) -> None:
+        """A pass starts, through the codec or not (training passes of a compressed edge do); its
+        compensation is keyed by each side's rows."""
+        self.use_codec = compressed and self.codec is not None
         if self.use_codec:
             self.codec.begin_step(source_rows, destination_rows, fresh, sample_ids)
 

@@ -27,9 +27,10 @@ class StageLinks:
                 self.ends["next"] = EdgeEnd(compression, "upstream", f"{mesh.name} stage edge")
         self.compressed = False  # this pass sends payloads (a training step with ends)
 
-    def begin(self, training: bool, rows: list[torch.Tensor], fresh: bool, sample_ids: torch.Tensor | None) -> None:
-        """A pass starts: training passes go through the codecs; ``rows`` key the compensation stores."""
-        self.compressed = training and bool(self.ends)
+    def begin(self, compressed: bool, rows: list[torch.Tensor], fresh: bool, sample_ids: torch.Tensor | None) -> None:
+        """A pass starts, through the codecs or not (training passes with ends do); ``rows`` key the
+        compensation stores."""
+        self.compressed = compressed and bool(self.ends)
         if self.compressed:
             for end in self.ends.values():
                 end.begin_step(rows, fresh, sample_ids)

@@ -54,16 +54,9 @@ class ModuleState:
                 placements = [Replicate() if isinstance(p, Partial) else p for p in param.grad.placements]
                 param.grad = param.grad.redistribute(param.grad.device_mesh, placements)
 
-    def nonfinite(self) -> torch.Tensor:
-        """Whether any gradient this rank holds has a NaN or an infinity (a device scalar): one fused norm
-        per gradient, which a NaN or infinity makes non-finite."""
-        grads = [g for g in map(local_grad, self.model.parameters()) if g is not None]
-        if not grads:
-            return torch.zeros((), dtype=torch.bool, device=self.device)
-        return ~torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
-
-    def squared_grad_norm(self) -> torch.Tensor:
-        """Sum of squared gradients of the whole module, each element counted once, on every rank of it."""
+    def local_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sums of squared gradients this rank holds (float64, no collectives): of TP-sharded parameters,
+        and of the others. A NaN or an infinity in any gradient makes them non-finite."""
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         for param in self.model.parameters():
@@ -76,6 +69,18 @@ class ModuleState:
                 sharded += value
             else:
                 replicated += value
+        return sharded, replicated
+
+    @property
+    def syncs_gradients(self) -> bool:
+        """Whether the replica sync changes this rank's gradients before the optimizer step."""
+        sync = self.replica_sync
+        return sync.grad_sync is not None or (sync.diloco is not None and sync.replicas > 1)
+
+    def squared_grad_norm(self, squares: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Sum of squared gradients of the whole module, each element counted once, on every rank of it,
+        from this rank's ``local_squares``."""
+        sharded, replicated = squares
         layout = self.mesh.layout
         if layout.tp > 1:
             dist.all_reduce(sharded, group=self.mesh.group("tp"))

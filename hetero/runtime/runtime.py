@@ -80,7 +80,8 @@ class Runtime:
             module.settle_grads()
         bad_losses = {name: any(not torch.isfinite(_local(r.loss)).all() for r in results if r.loss is not None)
                       for name, results in executor.results.items()}
-        metrics, self.nonfinite = self._losses_and_nonfinite(executor, bad_losses)
+        squares = {name: module.local_squares() for name, module in self.modules.items()}
+        metrics, self.nonfinite = self._losses_and_nonfinite(executor, bad_losses, squares)
         if self.nonfinite:
             for key, end in self.edge_ends().items():
                 end.load_state_dict(edge_states[key])
@@ -88,9 +89,11 @@ class Runtime:
                 module.zero_grad()
             self.step += 1
             return metrics | {"grad_norm": math.nan, "stepped": 0.0}
-        for module in self.modules.values():
+        for name, module in self.modules.items():
             module.replica_sync.before_step()
-        grad_norm = self._clip()
+            if module.syncs_gradients:  # the squares before the sync no longer describe the gradients
+                squares[name] = module.local_squares()
+        grad_norm = self._clip(squares)
         if math.isfinite(grad_norm):
             for module in self.modules.values():
                 module.step(self.step)
@@ -121,27 +124,18 @@ class Runtime:
         """Tell compressed edges and stage links whether this pass uses their codecs, and its row keys."""
         fresh = self.step % self.sample_reuse == 0
         ids = batch.get("index")
+        def keys(edge, name: str) -> list[torch.Tensor]:
+            dp = self.modules[name].mesh.coord.dp if name in self.modules else 0
+            return [rows.carried(edge, m, name, dp) for m in range(self.microbatches)]
+
         for edge in self.edges.values():
             e = edge.edge
-
-            def keys(name: str) -> list[torch.Tensor]:
-                module = self.modules.get(name)
-                dp = module.mesh.coord.dp if module is not None else 0
-                return [rows.carried(e, m, name, dp) for m in range(self.microbatches)]
-
-            edge.begin(training, keys(e.src), keys(e.dst), fresh, ids)
+            compressed = training and edge.codec is not None
+            edge.begin(compressed, keys(e, e.src) if compressed else [], keys(e, e.dst) if compressed else [], fresh, ids)
         for name, links in self.links.items():
+            compressed = training and bool(links.ends)
             local = [rows.local(name, m, self.modules[name].mesh.coord.dp) for m in range(self.microbatches)]
-            links.begin(training, local, fresh, ids)
-
-    def stage_shape(self, name: str, rows: int) -> tuple[int, ...]:
-        """The activation between two stages of module ``name`` for ``rows`` local rows."""
-        module = self.modules[name]
-        layout, config = module.mesh.layout, module.node.config
-        seq = config.seq_len // layout.cp
-        if module.node.options.sequence_parallel and layout.tp > 1:
-            seq //= layout.tp
-        return (rows, seq, config.hidden_size)
+            links.begin(compressed, local if compressed else [], fresh, ids)
 
     # -------------------------------------------------------------------------- the step's end
 
@@ -207,15 +201,15 @@ class Runtime:
         return {f"{name}.{metric}": float(lows[i]) if reduce == "min" else float(sums[i, 0] / sums[i, 1].clamp(min=1))
                 for i, (name, metric, reduce) in enumerate(keys)}
 
-    def _losses_and_nonfinite(self, executor: Executor, bad_losses: dict[str, bool]):
+    def _losses_and_nonfinite(self, executor: Executor, bad_losses: dict[str, bool], squares: dict):
         """The step's losses (as ``_reduced_losses``) and the modules with a NaN or infinite loss or gradient
         on some rank, with those ranks (the same on every rank), in one all-reduce. Checked before the
         gradient sync, which would spread the values."""
         names, world = list(self.graph.nodes), dist.get_world_size()
         flags = torch.zeros(len(names), world, dtype=torch.float64, device=self.device)
         for i, name in enumerate(names):
-            module = self.modules.get(name)
-            bad = (module is not None and module.nonfinite()) or bad_losses.get(name, False)
+            held = squares.get(name)
+            bad = (held is not None and not bool(torch.isfinite(held[0] + held[1]))) or bad_losses.get(name, False)
             flags[i, self.rank] = float(bad)
         sums = self._loss_sums(executor)
         both = torch.cat([sums, flags.flatten()])
@@ -225,14 +219,14 @@ class Runtime:
                      for i, name in enumerate(names) if flags[i].any()}
         return self._losses_from(both[: len(sums)], self._loss_counts(executor)), nonfinite
 
-    def _clip(self) -> float:
-        """The global gradient norm over every module, agreed by every rank; clipped when it exceeds
-        ``grad_clip`` (> 0). Infinite when any gradient is not finite."""
+    def _clip(self, local: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The global gradient norm over every module (from each module's ``local`` squares), agreed by
+        every rank; clipped when it exceeds ``grad_clip`` (> 0). Infinite when any gradient is not finite."""
         names = list(self.graph.nodes)
         squares = torch.zeros(len(names), dtype=torch.float64, device=self.device)
         for i, name in enumerate(names):
             if name in self.modules:
-                squares[i] = self.modules[name].squared_grad_norm()
+                squares[i] = self.modules[name].squared_grad_norm(local[name])
         # Every rank of a module holds the same value and the others hold 0: MAX agrees world-wide. (Under
         # DiLoCo a module's replicas hold different local gradients; MAX then takes the largest norm.)
         nonfinite = (~torch.isfinite(squares)).to(torch.float64)

@@ -1,6 +1,6 @@
 """The four-module graph as one process: vision and DNA encoders feed an LLM, whose hidden states
-condition a video generator. This is the single-process reference of ``hetero.train.graph`` and the
-place where what each module's loss means is written down once:
+condition a video generator; the single-process reference of the runtime on that graph
+(``tests/test_graph_parity.py``), written with the models and objectives directly, not the kinds' stages:
 
 - samples carry optional modalities (``hetero.data.multimodal``): an encoder reads only the rows that
   carry its input, and its embeddings replace the placeholder tokens of those rows alone (the other rows
@@ -84,7 +84,7 @@ def dna_loss_sum(dna: nn.Module, config: GeneZipConfig, bases: torch.Tensor, reg
 
 
 class FullGraphModel(nn.Module):
-    """Every module of the graph in one process, with the weights the distributed trainer starts from."""
+    """Every module of the graph in one process, with the weights the runtime starts from (each module from seed + its position)."""
 
     def __init__(self, configs: GraphConfigs, seed: int = 0):
         super().__init__()

@@ -131,5 +131,5 @@ def record_reference(
             for group in opt.param_groups:
                 group["lr"] = optim[name].lr_at(step)
             opt.step()
-        record.losses.append([float(v) for v in values])
+        record.losses.append([float(v.detach()) for v in values])
     return record

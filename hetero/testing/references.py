@@ -1,5 +1,5 @@
-"""Multimodal models as one module (the single-process references) and the merge step they share with the
-distributed trainer: encoder embeddings take the places of the first tokens of the sequence."""
+"""Multimodal models as one module, the single-process references of the runtime on vision (and DNA)
+-> LLM graphs: encoder embeddings take the places of the first tokens of the sequence."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ rank-local file that a resume reads only when the layouts and compression settin
 a layout change it starts fresh (and rank 0 says so). The data position is the step: batch ``k`` is a
 pure function of the seed and ``k``.
 
-The trainer side is ``Checkpointable``: the modules on this rank and its rank-local state.
+The runtime side is ``Checkpointable``: the modules on this rank and its rank-local state.
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ class Checkpointer:
     def due(self, step: int, last_step: int) -> bool:
         return self.config.every > 0 and (step % self.config.every == 0 or step == last_step)
 
-    def save(self, trainer: Checkpointable, step: int) -> None:
-        """Write a checkpoint of ``trainer`` after ``step``; it becomes visible only once complete."""
+    def save(self, runtime: Checkpointable, step: int) -> None:
+        """Write a checkpoint of ``runtime`` after ``step``; it becomes visible only once complete."""
         self.wait()
         rank = dist.get_rank()
         partial, final = partial_dir(self.root, step), step_dir(self.root, step)
@@ -166,9 +166,9 @@ class Checkpointer:
             remove_partials(self.root)
             partial.mkdir(parents=True)
         dist.barrier()
-        local = trainer.local_state() | {"rng": torch.get_rng_state()}
+        local = runtime.local_state() | {"rng": torch.get_rng_state()}
         save_local(local, partial / "local" / f"rank{rank}.pt")
-        state = _module_state(trainer.checkpoint_modules())
+        state = _module_state(runtime.checkpoint_modules())
         manifest = {"step": step, "world_size": dist.get_world_size(), "identity": self.identity.as_json()}
         writer = FileSystemWriter(str(partial))
         if not self.config.async_save:
@@ -207,10 +207,10 @@ class Checkpointer:
         self.wait()
         dist.barrier()  # rank 0's commit of the last save is on disk before anyone reads it
 
-    def load(self, trainer: Checkpointable, path: Path, same_local: bool) -> int:
-        """Load checkpoint ``path`` (checked by ``check_resumable``) into ``trainer``; the step it ends."""
+    def load(self, runtime: Checkpointable, path: Path, same_local: bool) -> int:
+        """Load checkpoint ``path`` (checked by ``check_resumable``) into ``runtime``; the step it ends."""
         manifest = read_manifest(path)
-        modules = trainer.checkpoint_modules()
+        modules = runtime.checkpoint_modules()
         state = _module_state(modules)
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
         for name, (model, optimizer) in modules.items():
@@ -221,8 +221,8 @@ class Checkpointer:
         if same_local:
             local = load_local(path / "local" / f"rank{dist.get_rank()}.pt")
             torch.set_rng_state(local.pop("rng"))
-            trainer.load_local_state(local)
+            runtime.load_local_state(local)
         else:
-            trainer.reset_local_state()
-        trainer.step = int(manifest["step"])
-        return trainer.step
+            runtime.reset_local_state()
+        runtime.step = int(manifest["step"])
+        return runtime.step

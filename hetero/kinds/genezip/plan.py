@@ -3,7 +3,7 @@ decoders: the GPT block's plan), activation checkpointing, FSDP2.
 
 Everything between blocks (embedding, boundary router, chunk selection, de-chunking, output) runs on the
 replicated residual stream, so it is the same on every TP rank and needs no plan. Data parallelism is the
-trainer's gradient sync (or FSDP2). Sequences are a few hundred bases and chunking gathers across the
+runtime's gradient sync (or FSDP2). Sequences are a few hundred bases and chunking gathers across the
 whole sequence, so GeneZip runs with cp=1 and pp=1 (the config check says so).
 """
 

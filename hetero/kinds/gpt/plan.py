@@ -1,5 +1,5 @@
 """Apply a module's layout to a GPT (torchtitan style): pipeline split, TP/SP, CP, activation
-checkpointing, and FSDP2 when asked. Without FSDP2 the trainer synchronizes gradients over dp×cp itself
+checkpointing, and FSDP2 when asked. Without FSDP2 the runtime synchronizes gradients over dp×cp itself
 with a ``GradSync``.
 """
 

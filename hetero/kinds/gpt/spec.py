@@ -28,7 +28,9 @@ from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.kinds.gpt.plan import parallelize_gpt
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
 from hetero.parallel.context import split_for_cp, zigzag_indices
+from hetero.parallel.layout import Layout
 from hetero.parallel.mesh import ModuleMesh
+from hetero.parallel.options import ParallelOptions
 
 
 class GPTKind(Kind):
@@ -58,6 +60,13 @@ class GPTKind(Kind):
 
     def loss_count(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> int:
         return int((batch["labels"][rows] != IGNORE_INDEX).sum())
+
+    def stage_shape(self, config: GPTConfig, rows: int, layout: Layout, options: ParallelOptions) -> tuple[int, ...]:
+        """The residual stream: this rank's tokens (its CP chunks, its SP part), fp32 under bf16 autocast."""
+        seq = config.seq_len // layout.cp
+        if options.sequence_parallel and layout.tp > 1:
+            seq //= layout.tp
+        return (rows, seq, config.hidden_size)
 
     def compute(self, mesh: ModuleMesh) -> ContextManager:
         return loss_parallel() if mesh.layout.tp > 1 else contextlib.nullcontext()

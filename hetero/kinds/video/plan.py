@@ -1,6 +1,6 @@
 """Apply a module's layout to the video generator: TP over heads and MLP, activation checkpointing, FSDP2.
 
-Data parallelism is the trainer's gradient sync (or FSDP2). Frames are short chunks and the KV cache is
+Data parallelism is the runtime's gradient sync (or FSDP2). Frames are short chunks and the KV cache is
 bounded by the memory policy, so the generator runs with cp=1 and pp=1 (the config check says so).
 Every score bias (the slot-distance and patch-offset tables, and the learned memory's log-importance
 that enters as an argument) is shared by all heads; under TP each rank's heads add only their part of its

@@ -1,6 +1,6 @@
 """Apply a module's layout to the vision encoder: TP over heads and MLP, activation checkpointing, FSDP2.
 
-Data parallelism is the trainer's gradient sync (or FSDP2). The encoder's sequence is short and its
+Data parallelism is the runtime's gradient sync (or FSDP2). The encoder's sequence is short and its
 inputs are bounded, so it runs with cp=1 and pp=1 (the config check says so).
 """
 

@@ -3,7 +3,7 @@
 An edge has an upstream end (it sends activations forward and receives their gradients) and a downstream
 end (the reverse). Both ends of the forward direction keep the same reference for each row, so only the
 compressed *change* needs to cross; the gradient's sender keeps the error it left out. Rows are the
-batch entries of the tensor (dim 0), named by a key per row that the trainer gives at each step.
+batch entries of the tensor (dim 0), named by a key per row that the runtime gives at each step.
 
 Why not per-sample memory. AQ-SGD makes activation compression converge by sending, for every training
 sample, the compressed difference to that sample's activation from its previous visit, so both ends

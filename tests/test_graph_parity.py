@@ -94,7 +94,7 @@ CASES = {
     "mixed: vision dp2 + dna dp2 (ranks 0-1), llm tp2·pp2 (2-5), video dp2 (6-7)": (
         {"vision": {"dp": 2}, "dna": {"dp": 2}, "llm": {"tp": 2, "pp": 2, "dp": 1, "offset": 2},
          "video": {"dp": 2, "offset": 6}}, 8, 8, 4, {}),
-    "colocated on 8 ranks: vision dp8 (fsdp), dna tp2·dp4 (activation checkpointing), llm tp2·pp2·dp2, video dp8": (
+    "colocated: vision dp8 (fsdp), dna tp2·dp4 (checkpointing), llm tp2·pp2·dp2, video dp8": (
         {"vision": {"dp": 8}, "dna": {"tp": 2, "dp": 4}, "llm": {"tp": 2, "pp": 2, "dp": 2},
          "video": {"dp": 8}}, 8, 16, 2,
         {"vision": ParallelOptions(fsdp=True), "dna": ParallelOptions(activation_checkpointing=True)}),

@@ -55,21 +55,24 @@ class ModuleState:
                 param.grad = param.grad.redistribute(param.grad.device_mesh, placements)
 
     def local_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sums of squared gradients this rank holds (float64, no collectives): of TP-sharded parameters,
-        and of the others. A NaN or an infinity in any gradient makes them non-finite."""
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        """Sums of squared gradients this rank holds (no collectives): of TP-sharded parameters, and of
+        the others; each tensor's norm in its own dtype, the sums in float64. A NaN or an infinity in any
+        gradient makes them non-finite."""
+        groups: tuple[dict, dict] = ({}, {})  # sharded, replicated; each by dtype (foreach needs one dtype)
         for param in self.model.parameters():
             grad = local_grad(param)
             if grad is None:
                 continue
-            value = torch.linalg.vector_norm(grad, dtype=torch.float64).square()  # accumulated in float64
             placements = param.grad.placements if isinstance(param.grad, DTensor) else ()
-            if any(isinstance(p, Shard) for p in placements):
-                sharded += value
-            else:
-                replicated += value
-        return sharded, replicated
+            group = groups[0] if any(isinstance(p, Shard) for p in placements) else groups[1]
+            group.setdefault(grad.dtype, []).append(grad)
+        sums = []
+        for group in groups:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for grads in group.values():
+                total = total + torch.stack(torch._foreach_norm(grads)).double().square().sum()
+            sums.append(total)
+        return sums[0], sums[1]
 
     @property
     def syncs_gradients(self) -> bool:

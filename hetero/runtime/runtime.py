@@ -78,10 +78,8 @@ class Runtime:
         executor.run(self.actions[True])
         for module in self.modules.values():
             module.settle_grads()
-        bad_losses = {name: any(not torch.isfinite(_local(r.loss)).all() for r in results if r.loss is not None)
-                      for name, results in executor.results.items()}
         squares = {name: module.local_squares() for name, module in self.modules.items()}
-        metrics, self.nonfinite = self._losses_and_nonfinite(executor, bad_losses, squares)
+        metrics, self.nonfinite = self._losses_and_nonfinite(executor, squares)
         if self.nonfinite:
             for key, end in self.edge_ends().items():
                 end.load_state_dict(edge_states[key])
@@ -201,16 +199,17 @@ class Runtime:
         return {f"{name}.{metric}": float(lows[i]) if reduce == "min" else float(sums[i, 0] / sums[i, 1].clamp(min=1))
                 for i, (name, metric, reduce) in enumerate(keys)}
 
-    def _losses_and_nonfinite(self, executor: Executor, bad_losses: dict[str, bool], squares: dict):
+    def _losses_and_nonfinite(self, executor: Executor, squares: dict):
         """The step's losses (as ``_reduced_losses``) and the modules with a NaN or infinite loss or gradient
         on some rank, with those ranks (the same on every rank), in one all-reduce. Checked before the
         gradient sync, which would spread the values."""
         names, world = list(self.graph.nodes), dist.get_world_size()
         flags = torch.zeros(len(names), world, dtype=torch.float64, device=self.device)
         for i, name in enumerate(names):
-            held = squares.get(name)
-            bad = (held is not None and not bool(torch.isfinite(held[0] + held[1]))) or bad_losses.get(name, False)
-            flags[i, self.rank] = float(bad)
+            held = [sum(squares[name])] if name in squares else []
+            held += [_local(r.loss).double().sum() for r in executor.results.get(name, ()) if r.loss is not None]
+            if held:  # a sum is non-finite when any of its terms is: the check stays on the device
+                flags[i, self.rank] = (~torch.isfinite(torch.stack(held).sum())).double()
         sums = self._loss_sums(executor)
         both = torch.cat([sums, flags.flatten()])
         dist.all_reduce(both)

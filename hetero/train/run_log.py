@@ -56,12 +56,10 @@ class RunLog:
         residuals = " ".join(f"{k}={v:.3g}" for k, v in metrics.items() if k.startswith("ef_residual.") and v)
         if metrics.get("ec_memory_bytes"):
             residuals += f" ec_memory={_bytes(metrics['ec_memory_bytes'])}"
-        print(
-            f"step {step:5d} | loss {metrics['loss']:.4f}{_module_losses(metrics)} | "
-            f"{metrics['samples_per_s']:7.1f} samples/s | {metrics['step_s'] * 1e3:7.1f} ms | "
-            f"grad norm {metrics['grad_norm']:.3f} | {traffic}" + (f" | {residuals.strip()}" if residuals else ""),
-            flush=True,
-        )
+        fields = [f"step {step:5d}", f"loss {metrics['loss']:.4f}{_module_losses(metrics)}",
+                  f"{metrics['samples_per_s']:7.1f} samples/s", f"{metrics['step_s'] * 1e3:7.1f} ms",
+                  f"grad norm {metrics['grad_norm']:.3f}", traffic, residuals.strip()]
+        print(" | ".join(f for f in fields if f), flush=True)
         if self.wandb is not None:
             self.wandb.log(metrics | {f"bytes/{k}": v for k, v in comm.items()}, step=step)
         self.history.write(json.dumps({"step": step} | metrics | {f"bytes/{k}": v for k, v in comm.items()}) + "\n")

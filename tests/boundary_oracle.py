@@ -43,22 +43,27 @@ class Case:
 
 
 def reference_indices(
-    shape: tuple[int, ...], sharding: Sharding, layout: Layout, rank: int
+    shape: tuple[int, ...], sharding: Sharding, layout: Layout, rank: int, counts: tuple[int, ...] | None = None
 ) -> list[torch.Tensor]:
-    """Per dim, the global indices ``rank`` holds, in its local order."""
+    """Per dim, the global indices ``rank`` holds, in its local order; ``counts``: each DP replica's rows
+    (default: an even split, earlier replicas taking the extra)."""
     coord = layout.coord(rank)
     index = [torch.arange(n) for n in shape]
     if sharding.batch_dim is not None:
-        index[sharding.batch_dim] = torch.arange(shape[sharding.batch_dim]).tensor_split(layout.dp)[coord.dp]
+        rows = torch.arange(shape[sharding.batch_dim])
+        parts = rows.tensor_split(layout.dp) if counts is None else rows.split(list(counts))
+        index[sharding.batch_dim] = parts[coord.dp]
     if sharding.seq_dim is not None:
         length = shape[sharding.seq_dim]
+        offset, full = sharding.window or (0, length)
         if sharding.zigzag and layout.cp > 1:
-            seq = zigzag_indices(length, layout.cp, coord.cp)
+            seq = zigzag_indices(full, layout.cp, coord.cp)
         else:
-            seq = torch.arange(length).tensor_split(layout.cp)[coord.cp]
+            seq = torch.arange(full).tensor_split(layout.cp)[coord.cp]
         if sharding.sequence_parallel:
             seq = seq.tensor_split(layout.tp)[coord.tp]
-        index[sharding.seq_dim] = seq
+        # a window keeps the positions it covers, in the rank's order, renumbered from its offset
+        index[sharding.seq_dim] = seq[(seq >= offset) & (seq < offset + length)] - offset
     return index
 
 

@@ -152,6 +152,23 @@ NAMED_CASES: dict[int, list[Case]] = {
             ({"tensor": (2, 8, 3)},),
         ),
         Case(
+            # embeddings of 6 tokens at positions 5..10 of a 16-token sequence split zigzag over cp2 and
+            # SP over tp2: CP rank 1 holds positions 4..11 (TP parts 4..7 and 8..11), CP rank 0 none
+            "window_into_tp2_cp2_sequence_parallel",
+            Side(layout([0, 1], dp=2)),
+            Side(layout(range(2, 6), tp=2, cp=2)),
+            {"tensor": spec(source=Sharding(seq_dim=None),
+                            destination=Sharding(sequence_parallel=True, window=(5, 16)))},
+            ({"tensor": (4, 6, 3)},),
+        ),
+        Case(
+            "window_colocated_dp2_into_cp2_dp2_and_back_out_whole",
+            Side(layout(range(4), dp=2, cp=2)),
+            Side(layout(range(4), dp=4)),
+            {"tensor": spec(source=Sharding(window=(2, 8)), destination=Sharding(seq_dim=None))},
+            ({"tensor": (4, 4, 3)},),
+        ),
+        Case(
             "pp_stage_selection",
             Side(layout(range(4), dp=2, pp=2), stage=0),
             Side(layout(range(2, 6), tp=2, pp=2), stage=1),
@@ -380,3 +397,8 @@ def test_five_rows_over_two_replicas_arrive_as_three_and_two(outcomes):
     assert [ranks[r]["out_shapes"][0]["tensor"] for r in (1, 2)] == [(3, 2, 3), (2, 2, 3)]
     ranks = outcomes["five_rows_two_to_three"]["ranks"]
     assert [ranks[r]["out_shapes"][0]["tensor"] for r in (1, 2, 3)] == [(2, 2, 3), (2, 2, 3), (1, 2, 3)]
+
+
+def test_a_window_arrives_where_its_positions_are(outcomes):
+    ranks = outcomes["window_into_tp2_cp2_sequence_parallel"]["ranks"]
+    assert [ranks[r]["out_shapes"][0]["tensor"] for r in (2, 3, 4, 5)] == [(4, 0, 3), (4, 0, 3), (4, 3, 3), (4, 3, 3)]

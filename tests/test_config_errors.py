@@ -366,10 +366,19 @@ def graph_with(change):
         (lambda raw: raw.update(schedule="graph_pipeline"),
          r"schedule=graph_pipeline runs each rank as one stage of one module, but the placement is colocated"),
         (lambda raw: raw.update(schedule="interleaved"), r"schedule='interleaved' is not one of auto, phased, graph_pipeline"),
+        (lambda raw: raw["vision"].update(layout={"tp": 2}, micro_batch_size=2, parallel={"sequence_parallel": True}),
+         r"edges\[0\] \(vision -> llm\): vision's output embeddings is whole on every rank, so vision runs with cp=1 "
+         r"and sequence_parallel=false here \(got vision\.layout\.cp=1, vision\.parallel\.sequence_parallel=true\)"),
+        (lambda raw: raw.update(llm={**raw["llm"], "layout": {"cp": 2}, "micro_batch_size": 2},
+                                edges=[{**raw["edges"][0], "compression": {"forward": {"method": "int8", "block_size": 32},
+                                                                           "compensation": "none"}}, raw["edges"][1]]),
+         r"edges\[0\] \(vision -> llm\): a compressed edge carries whole sequences; run vision and llm with cp=1 and "
+         r"sequence_parallel=false, or turn edges\[0\]\.compression off"),
     ],
     ids=["an edge from a module without outputs", "a self-edge", "a condition nothing feeds", "a module no edge reaches",
          "an unknown output port", "a duplicate edge", "two edges into one condition", "placeholders past the sequence",
-         "the graph pipeline on shared ranks", "an unknown schedule"],
+         "the graph pipeline on shared ranks", "an unknown schedule", "an encoder under sequence parallelism at an edge",
+         "a compressed edge into a context-parallel LLM"],
 )
 def test_a_graph_that_cannot_run_is_refused_naming_the_fix(change, message):
     with pytest.raises(ConfigError, match=message):

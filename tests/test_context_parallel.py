@@ -1,7 +1,9 @@
 """Context-parallel attention on real gloo ranks equals single-process causal attention, forward and backward.
 
 The reference is plain SDPA with is_causal=True on the full sequence (K/V heads repeated for GQA); each CP
-rank's output and q/k/v gradients must equal the reference's at the rank's zigzag positions.
+rank's output and q/k/v gradients must equal the reference's at the rank's zigzag positions, for the ring
+and the all-gather, with the fused CPU kernel and the math path (what runs off CPU). The block kernels
+alone are checked against SDPA with a mask in one process.
 """
 
 import pytest
@@ -10,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hetero.kernels.attention import causal_attention
+from hetero.kernels.block_attention import block_backward, block_forward, merge_blocks
 from hetero.parallel.context import ContextParallelAttention, gather_from_cp, split_for_cp, zigzag_indices
 from hetero.testing.multiprocess import run_ranks
 
@@ -63,9 +66,31 @@ def _max_errors(actual, expected):
     return abs_err, abs_err / expected.abs().max().item()
 
 
-def cp_attention_matches_reference(rank, world_size):
+@pytest.mark.parametrize("kernel", ["flash", "math"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_blocks_merged_by_log_sum_exp_are_exact_attention(kernel, dtype):
+    """Queries of chunk 2 (of 3 chunks of 6) over keys 0..11 (a full block) and 12..17 (causal), GQA 4:2."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=gen, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 2, 18, 8, generator=gen, dtype=dtype, requires_grad=True) for _ in range(2))
+    mask = torch.arange(18)[None, :] <= torch.arange(12, 18)[:, None]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    grad = torch.randn(expected.shape, generator=gen, dtype=dtype)
+    expected.backward(grad)
+    q_, k_, v_ = q.detach(), k.detach(), v.detach()
+    blocks = ((slice(0, 12), False), (slice(12, 18), True))
+    out, lse = merge_blocks([block_forward(q_, k_[:, :, s], v_[:, :, s], causal, kernel) for s, causal in blocks])
+    grads = [block_backward(grad, q_, k_[:, :, s], v_[:, :, s], out, lse, causal, kernel) for s, causal in blocks]
+    tolerance = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 2e-6}
+    torch.testing.assert_close(out, expected.detach(), **tolerance)
+    torch.testing.assert_close(grads[0][0] + grads[1][0], q.grad, **tolerance)
+    torch.testing.assert_close(torch.cat([grads[0][1], grads[1][1]], 2), k.grad, **tolerance)
+    torch.testing.assert_close(torch.cat([grads[0][2], grads[1][2]], 2), v.grad, **tolerance)
+
+
+def cp_attention_matches_reference(rank, world_size, method, kernel):
     group = dist.new_group(list(range(world_size)))
-    attn = ContextParallelAttention(group, world_size, rank)
+    attn = ContextParallelAttention(group, world_size, rank, method, kernel)
     errors = {}
     for kv_heads in (2, 4):
         torch.manual_seed(kv_heads)  # identical full tensors on every rank
@@ -92,12 +117,14 @@ def cp_attention_matches_reference(rank, world_size):
     return errors
 
 
+@pytest.mark.parametrize("kernel", ["flash", "math"])
+@pytest.mark.parametrize("method", ["ring", "allgather"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_cp_attention_matches_single_process(cp):
-    per_rank = run_ranks(cp_attention_matches_reference, cp, timeout_s=120)
+def test_cp_attention_matches_single_process(cp, method, kernel):
+    per_rank = run_ranks(cp_attention_matches_reference, cp, method, kernel, timeout_s=120)
     worst_abs = max(abs_err for errors in per_rank for abs_err, _ in errors.values())
     worst_rel = max(rel_err for errors in per_rank for _, rel_err in errors.values())
-    print(f"cp={cp}: max abs error {worst_abs:.2e}, max rel error {worst_rel:.2e}")
+    print(f"cp={cp} {method} {kernel}: max abs error {worst_abs:.2e}, max rel error {worst_rel:.2e}")
 
 
 def split_gather_round_trip(rank, world_size):

@@ -20,6 +20,8 @@ from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import check_parity, record_reference, record_run
 
+from edge_traffic import check_edge_bytes
+
 VISION = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_layers=1, num_heads=4, out_size=32)
 DNA = GeneZipConfig(seq_len=64, hidden_size=32, num_heads=4, main_layers=1, local_window=8, routing_window=16,
                     min_boundaries=1, max_boundaries=4, region_bpt={"coding": 3.0, "intergenic": 6.0}, out_size=32)
@@ -62,12 +64,16 @@ def reference(data):
     return record_reference({name: getattr(model, name) for name in OPTIM}, OPTIM, data, losses, CLIP)
 
 
-def train(rank, world_size, layouts, microbatches, data):
+def dna_vlm_experiment(world_size, layouts, microbatches):
     # Declared vision, llm, dna: each module's weights come from seed + its index, as in the reference.
     modules = {name: module(kind, config, layouts[name], OPTIM[name])
                for name, kind, config in (("vision", "vit", VISION), ("llm", "gpt", LLM), ("dna", "genezip", DNA))}
-    config = experiment(world_size, modules, edges=[("vision", "llm"), ("dna", "llm")], global_batch=8,
-                        microbatches=microbatches, grad_clip=CLIP)
+    return experiment(world_size, modules, edges=[("vision", "llm"), ("dna", "llm")], global_batch=8,
+                      microbatches=microbatches, grad_clip=CLIP)
+
+
+def train(rank, world_size, layouts, microbatches, data):
+    config = dna_vlm_experiment(world_size, layouts, microbatches)
     return record_run(build_runtime(config), data, ("loss", "llm.loss", "dna.loss"))
 
 
@@ -76,6 +82,8 @@ CASES = {
         {"vision": {"dp": 4}, "dna": {"tp": 2, "dp": 2}, "llm": {"tp": 2, "dp": 2}}, 4, 1),
     "mixed vision dp2 (ranks 0-1), dna dp2 (2-3), llm pp2·dp2 (0-3)": (
         {"vision": {"dp": 2}, "dna": {"dp": 2, "offset": 2}, "llm": {"pp": 2, "dp": 2}}, 4, 2),
+    "colocated vision dp4, dna dp4, llm cp2·dp2": (
+        {"vision": {"dp": 4}, "dna": {"dp": 4}, "llm": {"cp": 2, "dp": 2}}, 4, 1),
 }
 
 
@@ -86,3 +94,5 @@ def test_dna_vlm_parity(case):
     expected = reference(data)
     results = run_ranks(train, world_size, layouts, microbatches, data, timeout_s=300)
     print("\n" + check_parity(results, expected, f"dna+vision->llm parity {case}"))
+    config = dna_vlm_experiment(world_size, layouts, microbatches)
+    print("  edge bytes: " + check_edge_bytes(results, config, data[0], microbatches))

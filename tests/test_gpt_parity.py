@@ -78,6 +78,7 @@ LAYOUTS = {
     "tp2+sp": ({"tp": 2}, ParallelOptions(sequence_parallel=True)),
     "cp2": ({"cp": 2}, ParallelOptions()),
     "cp4": ({"cp": 4}, ParallelOptions()),
+    "cp4 all-gather": ({"cp": 4}, ParallelOptions(cp_attention="allgather")),
     "pp2": ({"pp": 2}, ParallelOptions()),
     "pp2-gpipe": ({"pp": 2}, ParallelOptions(pipeline_schedule="gpipe")),
     "pp4": ({"pp": 4}, ParallelOptions()),

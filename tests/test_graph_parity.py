@@ -24,6 +24,8 @@ from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import check_parity, record_reference, record_run
 
+from edge_traffic import check_edge_bytes
+
 VISION = ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_layers=1, num_heads=4, out_size=32)
 DNA = GeneZipConfig(seq_len=64, hidden_size=32, num_heads=4, main_layers=1, local_window=8, routing_window=16,
                     min_boundaries=1, max_boundaries=4, region_bpt={"coding": 3.0, "intergenic": 6.0}, out_size=32)
@@ -78,26 +80,33 @@ EDGES = [("vision", "llm"), ("dna", "llm"), ("llm", "video")]
 WEIGHT_OF = {"vision": None, "llm": "text", "dna": "dna", "video": "video"}
 
 
-def train(rank, world_size, layouts, global_batch, microbatches, data, options):
+def graph_experiment(world_size, layouts, global_batch, microbatches, options):
     # Declared in SEED_OFFSETS' order: each module's weights come from seed + its index, as in the reference.
     modules = {}
     for name in SEED_OFFSETS:
         kind, config = KINDS[name]
         weight = {"loss_weight": WEIGHTS[WEIGHT_OF[name]]} if WEIGHT_OF[name] else {}
         modules[name] = module(kind, config, layouts[name], OPTIM[name], options.get(name), **weight)
-    config = experiment(world_size, modules, edges=EDGES, global_batch=global_batch, microbatches=microbatches,
-                        grad_clip=CLIP, seed=SEED)
+    return experiment(world_size, modules, edges=EDGES, global_batch=global_batch, microbatches=microbatches,
+                      grad_clip=CLIP, seed=SEED)
+
+
+def train(rank, world_size, layouts, global_batch, microbatches, data, options):
+    config = graph_experiment(world_size, layouts, global_batch, microbatches, options)
     return record_run(build_runtime(config), data, ("loss", "llm.loss", "dna.loss", "video.loss"))
 
 
 CASES = {
-    "mixed: vision dp2 + dna dp2 (ranks 0-1), llm tp2·pp2 (2-5), video dp2 (6-7)": (
+    "mixed: vision dp2 + dna dp2 (ranks 0-1), llm tp2·pp2 with sequence parallelism (2-5), video dp2 (6-7)": (
         {"vision": {"dp": 2}, "dna": {"dp": 2}, "llm": {"tp": 2, "pp": 2, "dp": 1, "offset": 2},
-         "video": {"dp": 2, "offset": 6}}, 8, 8, 4, {}),
+         "video": {"dp": 2, "offset": 6}}, 8, 8, 4, {"llm": ParallelOptions(sequence_parallel=True)}),
     "colocated: vision dp8 (fsdp), dna tp2·dp4 (checkpointing), llm tp2·pp2·dp2, video dp8": (
         {"vision": {"dp": 8}, "dna": {"tp": 2, "dp": 4}, "llm": {"tp": 2, "pp": 2, "dp": 2},
          "video": {"dp": 8}}, 8, 16, 2,
         {"vision": ParallelOptions(fsdp=True), "dna": ParallelOptions(activation_checkpointing=True)}),
+    "mixed, long context: vision dp2 + dna dp2 (ranks 0-1), llm cp2·pp2 (2-5), video dp2 (6-7)": (
+        {"vision": {"dp": 2}, "dna": {"dp": 2}, "llm": {"cp": 2, "pp": 2, "dp": 1, "offset": 2},
+         "video": {"dp": 2, "offset": 6}}, 8, 8, 4, {}),
 }
 
 
@@ -112,3 +121,5 @@ def test_graph_parity(case):
     results = run_ranks(train, world_size, layouts, global_batch, microbatches, batches(global_batch), options,
                         timeout_s=400)
     print("\n" + check_parity(results, expected(global_batch), f"graph parity {case}"))
+    config = graph_experiment(world_size, layouts, global_batch, microbatches, options)
+    print("  edge bytes: " + check_edge_bytes(results, config, batches(global_batch)[0], microbatches))

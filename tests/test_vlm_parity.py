@@ -23,6 +23,8 @@ from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_parity, record_reference, record_run
 from hetero.testing.references import IMAGE_TOKEN, VisionLanguageModel
 
+from edge_traffic import check_edge_bytes
+
 VISION = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_layers=2, num_heads=4, out_size=32)
 LLM = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
                 seq_len=24)
@@ -58,13 +60,16 @@ def reference(global_batch, model=None, data=None, before_step=None) -> Record:
     return record_reference(modules, OPTIM, data if data is not None else batches(global_batch), loss, CLIP, before_step)
 
 
-def train(rank, world_size, layouts, global_batch, microbatches, options=None, steps=STEPS):
+def vlm_experiment(world_size, layouts, global_batch, microbatches, options=None):
     options = options or {}
     modules = {name: module(kind, config, layouts[name], OPTIM[name], options.get(name))
                for name, kind, config in (("vision", "vit", VISION), ("llm", "gpt", LLM))}
-    config = experiment(world_size, modules, edges=[("vision", "llm")], global_batch=global_batch,
-                        microbatches=microbatches, grad_clip=CLIP)
-    runtime = build_runtime(config)
+    return experiment(world_size, modules, edges=[("vision", "llm")], global_batch=global_batch,
+                      microbatches=microbatches, grad_clip=CLIP)
+
+
+def train(rank, world_size, layouts, global_batch, microbatches, options=None, steps=STEPS):
+    runtime = build_runtime(vlm_experiment(world_size, layouts, global_batch, microbatches, options))
     disjoint = not set(runtime.graph.nodes["vision"].layout.ranks) & set(runtime.graph.nodes["llm"].layout.ranks)
     assert runtime.graph.schedule == ("graph_pipeline" if disjoint else "phased")
     return record_run(runtime, batches(global_batch)[:steps])
@@ -83,6 +88,10 @@ CASES = {
     "non-colocated graph pipeline vision dp2 (0-1), llm pp2 (2-3, gpipe)": (
         {"vision": {"dp": 2}, "llm": {"pp": 2, "offset": 2}}, 4, 8, 4,
         {"llm": ParallelOptions(pipeline_schedule="gpipe")}),
+    "colocated vision dp2, llm tp2·cp2": ({"vision": {"dp": 2}, "llm": {"tp": 2, "cp": 2}}, 4, 8, 2, {}),
+    "colocated vision dp4, llm tp2·cp2 with sequence parallelism": (
+        {"vision": {"dp": 4}, "llm": {"tp": 2, "cp": 2}}, 4, 8, 2, {"llm": ParallelOptions(sequence_parallel=True)}),
+    "non-colocated vision (0), llm cp2 (1-2)": ({"vision": {"dp": 1}, "llm": {"cp": 2, "offset": 1}}, 3, 8, 2, {}),
     "non-colocated vision dp3 (0-2), llm dp2 (3-4), small gradient buckets": (
         {"vision": {"dp": 3}, "llm": {"dp": 2, "offset": 3}}, 5, 12, 2, {"vision": SMALL_BUCKETS, "llm": SMALL_BUCKETS}),
 }
@@ -94,6 +103,8 @@ def test_vlm_parity(case):
     expected = reference(global_batch)
     results = run_ranks(train, world_size, layouts, global_batch, microbatches, options, timeout_s=300)
     print("\n" + check_parity(results, expected, f"vlm parity {case}"))
+    config = vlm_experiment(world_size, layouts, global_batch, microbatches, options)
+    print("  edge bytes: " + check_edge_bytes(results, config, batches(global_batch)[0], microbatches))
 
 
 def test_bf16_in_both_modules_stays_close_to_fp32():

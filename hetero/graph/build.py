@@ -13,6 +13,7 @@ from hetero.errors import ConfigError
 from hetero.graph.graph import Edge, Graph, Node
 from hetero.kinds import default_registry
 from hetero.kinds.registry import KindRegistry
+from hetero.parallel.boundary_plan import Sharding
 from hetero.parallel.placement import place
 
 SCHEDULES = ("auto", "phased", "graph_pipeline")
@@ -159,21 +160,26 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
                 f"{where}: {src.name} hands on width {sent.width} ({src.name}.model.{sent.field or output}) but "
                 f"{dst.name}.model.{taken.field or port_in}={taken.width}; {fix}"
             )
-        for module in (src, dst):
-            if module.layout.cp > 1 or module.options.sequence_parallel:
+        for module, port, name in ((src, sent, f"output {output}"), (dst, taken, f"input {port_in}")):
+            if _splits_sequence(module) and not port.sequence:
                 errors.append(
-                    f"{where}: edges carry whole sequences, so {module.name} runs with cp=1 and sequence_parallel="
-                    f"false here (got cp={module.layout.cp}, sequence_parallel={module.options.sequence_parallel})"
+                    f"{where}: {module.name}'s {name} is whole on every rank, so {module.name} runs with cp=1 and "
+                    f"sequence_parallel=false here (got {module.name}.layout.cp={module.layout.cp}, "
+                    f"{module.name}.parallel.sequence_parallel={str(module.options.sequence_parallel).lower()})"
                 )
+        if config.compression.enabled and (_splits_sequence(src) or _splits_sequence(dst)):
+            errors.append(
+                f"{where}: a compressed edge carries whole sequences; run {src.name} and {dst.name} with cp=1 and "
+                f"sequence_parallel=false, or turn edges[{i}].compression off"
+            )
         offset = 0
         if taken.placeholders:
             offset = offsets.get((dst.name, port_in), 0)
             offsets[(dst.name, port_in)] = offset + sent.tokens
-            capacity = getattr(dst.config, "seq_len", None)
-            if capacity is not None and offset + sent.tokens > capacity:
+            if taken.tokens is not None and offset + sent.tokens > taken.tokens:
                 errors.append(
                     f"{where}: {dst.name}'s placeholders end at position {offset + sent.tokens} (the edges into it "
-                    f"hold {offset + sent.tokens} tokens in edge order) beyond {dst.name}.model.seq_len={capacity}"
+                    f"hold {offset + sent.tokens} tokens in edge order) beyond {dst.name}.model.seq_len={taken.tokens}"
                 )
         elif src.kind.modality not in (None, dst.kind.modality):
             errors.append(
@@ -181,8 +187,9 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
                 f"but {src.name} only processes rows with {src.kind.modality}"
             )
         errors += config.compression.errors(f"edges[{i}].compression", experiment.train.sample_reuse, sent.width)
+        window = (offset, taken.tokens) if taken.placeholders and taken.tokens is not None else None
         edges.append(Edge(i, src.name, dst.name, output, port_in, sent.tokens or 0, sent.width, taken.placeholders,
-                          offset, config.compression))
+                          offset, config.compression, _sharding(src), _sharding(dst, window)))
     for node in nodes.values():
         for port, spec in node.kind.inputs(node.config).items():
             feeding = [e for e in edges if e.dst == node.name and e.input == port]
@@ -190,6 +197,19 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
                 fix = "add an edge into it or configure the model without it" if not feeding else "keep one"
                 errors.append(f"{node.name}: its input {port} takes exactly one edge, got {len(feeding)}; {fix}")
     return edges, errors
+
+
+def _splits_sequence(node: Node) -> bool:
+    return node.layout.cp > 1 or (node.options.sequence_parallel and node.layout.tp > 1)
+
+
+def _sharding(node: Node, window: tuple[int, int] | None = None) -> Sharding:
+    """How ``node`` lays out an edge tensor ``(rows, tokens, width)``: rows over DP, and tokens as its
+    sequence (zigzag over CP, SP's parts over TP) where it splits its sequence, else whole on every rank."""
+    if not _splits_sequence(node):
+        return Sharding(batch_dim=0, seq_dim=None)
+    sequence_parallel = node.options.sequence_parallel and node.layout.tp > 1
+    return Sharding(batch_dim=0, seq_dim=1, zigzag=True, sequence_parallel=sequence_parallel, window=window)
 
 
 def _topological_order(names: list[str], edges: list[tuple[str, str]]) -> tuple[str, ...]:

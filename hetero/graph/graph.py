@@ -8,6 +8,7 @@ from typing import Any
 
 from hetero.config import ModuleConfig
 from hetero.kinds.registry import Kind
+from hetero.parallel.boundary_plan import Sharding
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 from hetero.parallel.layout import Layout
 from hetero.parallel.placement import Placement
@@ -33,7 +34,8 @@ class Node:
 class Edge:
     """Rows of ``src``'s output ``output`` cross into ``dst``'s input ``input``: per row a
     ``(tokens, width)`` tensor; into placeholders it lands at ``offset`` of the destination's sequence.
-    The rows it carries are those both modules process."""
+    The rows it carries are those both modules process; ``source`` and ``destination`` say how each end
+    lays the tensor out (rows over DP, tokens over CP and SP where the module splits its sequence)."""
 
     index: int
     src: str
@@ -45,6 +47,8 @@ class Edge:
     placeholders: bool
     offset: int
     compression: EdgeCompressionConfig
+    source: Sharding
+    destination: Sharding
 
     @property
     def name(self) -> str:

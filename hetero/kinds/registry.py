@@ -39,27 +39,34 @@ ENTRY_POINT_GROUP = "hetero.kinds"
 class Port:
     """A tensor that crosses an edge, per row: ``(tokens, width)``.
 
-    An input with ``placeholders`` takes embeddings into placeholder positions of the module's sequence:
-    any number of edges may feed it, each at its own offset, and rows without the modality keep the
-    placeholders. Without, the input is the module's condition: one edge, on every row it processes;
-    ``tokens`` None accepts any count.
+    An input with ``placeholders`` takes embeddings into placeholder positions of the module's sequence
+    (``tokens`` long): any number of edges may feed it, each at its own offset, and rows without the
+    modality keep the placeholders. Without, the input is the module's condition: one edge, on every row
+    it processes; ``tokens`` None accepts any count.
+
+    ``sequence``: the module lays the port's tokens out as its sequence, so under context parallelism a
+    rank holds its zigzag chunks of them and under sequence parallelism its TP part of those (of the
+    sequence the placeholders sit in, for an input with placeholders). A port without it is whole on
+    every rank, and the module runs with cp=1 and without sequence parallelism where an edge uses it.
     """
 
     width: int
     tokens: int | None = None
     placeholders: bool = False
     field: str = ""  # the model field that sets the width (named in errors); an input of width 0 is off
+    sequence: bool = False
 
 
 @dataclass
 class Arrival:
     """One edge's tensor on the destination's first stage: ``tensor`` (rows, tokens, width) holds the
-    rows ``positions`` of the stage's microbatch (indices into its local rows), to place at ``offset``."""
+    rows ``positions`` of the stage's microbatch (indices into its local rows); into placeholders, its
+    tokens go to ``index`` of the rank's local sequence (this rank's share of them under CP or SP)."""
 
     port: str
     tensor: torch.Tensor
     positions: torch.Tensor
-    offset: int
+    index: torch.Tensor
 
 
 @dataclass
@@ -127,6 +134,11 @@ class Kind:
 
     def errors(self, module: str, config: Any, layout: Layout, options: ParallelOptions) -> list[str]:
         return config.errors(module, layout, options) if hasattr(config, "errors") else []
+
+    def batch_errors(self, module: str, config: Any, batch: dict[str, torch.Tensor]) -> list[str]:
+        """What in a global batch the model cannot take (e.g. a sequence length other than its own); every
+        rank checks the same batch before its step, so all of them raise alike and none waits on another."""
+        return []
 
     def has_loss(self, config: Any) -> bool:
         return True

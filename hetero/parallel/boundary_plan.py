@@ -50,12 +50,18 @@ class Sharding:
     ``batch_dim`` is split over DP (None: every DP replica holds the whole tensor), ``seq_dim`` over CP
     (None: not split over CP), zigzag-wise or contiguously; with ``sequence_parallel`` the CP rank's
     local sequence is cut further into contiguous TP parts, otherwise TP ranks are replicas.
+
+    ``window=(offset, length)``: the tensor's ``seq_dim`` fills positions ``offset..offset+n-1`` of a
+    sequence of ``length`` that the side splits as above (e.g. an encoder's embeddings at placeholder
+    positions of an LLM's sequence); each rank holds the positions of the window that its part of the
+    sequence holds, in its local order, and possibly none.
     """
 
     batch_dim: int | None = 0
     seq_dim: int | None = 1
     zigzag: bool = True
     sequence_parallel: bool = False
+    window: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,12 @@ def _check_sharding(sharding: Sharding, ndim: int, field_name: str) -> None:
         )
     if sharding.sequence_parallel and sharding.seq_dim is None:
         raise ConfigError(f"{field_name}: sequence_parallel needs a seq_dim to split over TP")
+    if sharding.window is not None:
+        offset, length = sharding.window
+        if sharding.seq_dim is None or not 0 <= offset <= length:
+            raise ConfigError(
+                f"{field_name}.window={sharding.window} needs a seq_dim and 0 <= offset <= length"
+            )
 
 
 @dataclass(frozen=True)
@@ -147,6 +159,21 @@ def part_of_spans(spans: Sequence[Span], parts: int, index: int) -> tuple[Span, 
     return tuple(result) or ((0, 0),)
 
 
+def window_of_spans(spans: Sequence[Span], start: int, stop: int) -> tuple[Span, ...]:
+    """The parts of ``spans`` inside ``[start, stop)``, shifted to start at 0, in the same order."""
+    clipped = [(max(a, start) - start, min(b, stop) - start) for a, b in spans if max(a, start) < min(b, stop)]
+    return tuple(clipped) or ((0, 0),)
+
+
+def sequence_spans(length: int, sharding: Sharding, layout: Layout, coord: Coord) -> tuple[Span, ...]:
+    """The spans of a ``seq_dim`` of ``length`` a rank at ``coord`` holds, in local order (see ``Sharding``)."""
+    offset, full = sharding.window or (0, length)
+    spans = cp_spans(full, layout.cp, coord.cp, sharding.zigzag)
+    if sharding.sequence_parallel:
+        spans = part_of_spans(spans, layout.tp, coord.tp)
+    return window_of_spans(spans, offset, offset + length) if sharding.window else spans
+
+
 @dataclass(frozen=True)
 class Rows:
     """How many rows of the batch dim each DP replica holds, in DP order, on each side of one call (None:
@@ -177,10 +204,7 @@ def rank_box(
     if sharding.batch_dim is not None:
         box[sharding.batch_dim] = (batch_span(shape[sharding.batch_dim], layout.dp, coord.dp, counts),)
     if sharding.seq_dim is not None:
-        spans = cp_spans(shape[sharding.seq_dim], layout.cp, coord.cp, sharding.zigzag)
-        if sharding.sequence_parallel:
-            spans = part_of_spans(spans, layout.tp, coord.tp)
-        box[sharding.seq_dim] = spans
+        box[sharding.seq_dim] = sequence_spans(shape[sharding.seq_dim], sharding, layout, coord)
     return tuple(box)
 
 
@@ -207,9 +231,17 @@ def check_global_shape(
                 f"{shape[sharding.batch_dim]}) over its dp={side.layout.dp} replicas"
             )
         cp, dim = side.layout.cp, sharding.seq_dim
-        if dim is not None and sharding.zigzag and cp > 1 and shape[dim] % (2 * cp):
+        if dim is None:
+            continue
+        length = shape[dim] if sharding.window is None else sharding.window[1]
+        if sharding.window is not None and sharding.window[0] + shape[dim] > length:
             raise ValueError(
-                f"{what}: the {role} splits dim {dim} (length {shape[dim]}) zigzag over cp={cp}, which "
+                f"{what}: the {role}'s dim {dim} (length {shape[dim]}) at offset {sharding.window[0]} runs past "
+                f"its window's sequence of {length}"
+            )
+        if sharding.zigzag and cp > 1 and length % (2 * cp):
+            raise ValueError(
+                f"{what}: the {role} splits a sequence of {length} zigzag over cp={cp}, which "
                 f"needs a multiple of 2*cp={2 * cp}; pad the sequence or set {role}.zigzag=False"
             )
 

@@ -5,22 +5,12 @@ chunk r followed by chunk 2*cp-1-r, i.e. S/cp tokens. Under a causal mask the co
 its position, so pairing an early chunk with the mirrored late chunk gives every rank the same amount of
 attention work; a plain contiguous split would leave the last rank with most of it.
 
-Attention by all-gather of K and V. Each rank all-gathers K and V over the CP group, puts the gathered
-chunks back into global sequence order and attends its local queries to all S keys, with a causal mask
-built from global positions (query at position i sees keys at positions <= i). The gather is
-autograd-aware: forward is ``all_gather_single``, backward is ``reduce_scatter_single`` summing every
-rank's gradient for each K/V chunk back onto the rank that owns it (torch 2.13's names for
-``all_gather_into_tensor`` / ``reduce_scatter_tensor``, which it deprecates).
+Attention runs block by block (``context_attention``): each (query chunk, key chunk) block is empty,
+causal on the diagonal, or full, merged by log-sum-exp, with K/V either all-gathered over the CP group
+(``cp_attention: allgather``, each rank holds all S keys) or passed around it as a ring (``ring``, S/cp
+keys at a time, each transfer overlapped with the previous block's compute). No (S/cp)×S mask is built.
 
-Why all-gather rather than ring attention: it is one collective per tensor and the attention itself is a
-single ordinary SDPA call, so there is no online-softmax merging of partial results and no hand-written
-backward for the attention. The cost is that each rank holds the full K and V, O(S) memory per rank
-instead of O(S/cp); with grouped-query attention K/V are the small tensors (the gather moves them before
-the heads are expanded), so this stays modest. A ring would overlap the transfer of K/V blocks with
-compute and keep memory at O(S/cp), at the price of considerably more complex code; it is the upgrade
-path if sequences grow until gathered K/V no longer fit.
-
-Everything runs on gloo (CPU) and NCCL (GPU) alike: only these two collectives are used
+Everything runs on gloo (CPU) and NCCL (GPU) alike: all-gather, reduce-scatter and point-to-point sends
 (``torch.distributed.nn.functional`` is avoided because its backward needs ops gloo lacks).
 """
 
@@ -28,9 +18,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from hetero.kernels.attention import causal_attention, expand_kv
+from hetero.kernels.attention import causal_attention
+from hetero.parallel.context_attention import allgather_attention, ring_attention
+from hetero.parallel.options import CP_ATTENTION
 
 
 def zigzag_indices(
@@ -87,29 +78,25 @@ class ContextParallelAttention(torch.nn.Module):
     """Causal attention over a sequence split zigzag-wise across the CP group (see the module docstring).
 
     ``forward(q, k, v)`` takes this rank's (batch, heads, S/cp, head_dim) parts and returns the output for
-    its local queries, causal over global positions. k/v may have fewer heads than q (GQA). With cp == 1
-    it is ``causal_attention`` and ``group`` is not used.
+    its local queries, causal over global positions. k/v may have fewer heads than q (GQA). ``method``:
+    ``ring`` or ``allgather``. With cp == 1 it is ``causal_attention`` and ``group`` is not used.
     """
 
-    def __init__(self, group: dist.ProcessGroup, cp: int, rank: int):
+    def __init__(self, group: dist.ProcessGroup, cp: int, rank: int, method: str = "ring", kernel: str = "auto"):
         super().__init__()
         if cp > 1 and (dist.get_world_size(group) != cp or dist.get_rank(group) != rank):
             raise ValueError(
                 f"cp={cp}, rank={rank} do not match the group: size {dist.get_world_size(group)}, "
                 f"this process's rank in it {dist.get_rank(group)}"
             )
-        self.group = group
-        self.cp = cp
-        self.rank = rank
+        if method not in CP_ATTENTION:
+            raise ValueError(f"cp attention method {method!r} is not one of {', '.join(CP_ATTENTION)}")
+        self.group, self.cp, self.rank, self.method, self.kernel = group, cp, rank, method, kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.cp == 1:
             return causal_attention(q, k, v)
-        k = gather_from_cp(k, 2, self.group)
-        v = gather_from_cp(v, 2, self.group)
-        k, v = expand_kv(q, k, v)
-        seq_len = k.shape[2]
-        q_pos = zigzag_indices(seq_len, self.cp, self.rank, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # True = may attend
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if self.method == "ring":
+            return ring_attention(q, k, v, self.group, self.rank, self.cp, self.kernel)
+        k, v = gather_from_cp(k, 2, self.group), gather_from_cp(v, 2, self.group)
+        return allgather_attention(q, k, v, self.rank, self.cp, self.kernel)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16")
+CP_ATTENTION = ("ring", "allgather")
 
 
 @dataclass
@@ -16,6 +17,7 @@ class ParallelOptions:
     precision: str = "fp32"  # bf16: bf16 compute (autocast), fp32 master weights and gradients
     grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
     fsdp: bool = False  # shard parameters, gradients and optimizer state over dp×cp with FSDP2
+    cp_attention: str = "ring"  # under cp > 1: K/V passed around the CP group (ring) or all-gathered
 
     def errors(self, module: str) -> list[str]:
         errors = []
@@ -26,6 +28,8 @@ class ParallelOptions:
             )
         if self.precision not in PRECISIONS:
             errors.append(f"{module}.parallel.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.cp_attention not in CP_ATTENTION:
+            errors.append(f"{module}.parallel.cp_attention={self.cp_attention!r} is not one of {', '.join(CP_ATTENTION)}")
         if self.grad_bucket_mb <= 0:
             errors.append(f"{module}.parallel.grad_bucket_mb={self.grad_bucket_mb} must be > 0")
         return errors

@@ -12,7 +12,8 @@ keeps the incoming edges' for their ``EB``. A replica with no rows in a microbat
 destination's first, and a ``CompressedBoundary`` beside it when the edge has a ``compression:`` block
 (training passes send through it; evaluation sends fp32, so it measures the weights). What crosses is
 ``(rows, tokens, width)``: the rows of a microbatch the edge carries, split over each side's DP replicas
-as they own them (``StepRows.split``), tokens and width whole on every rank. Gradients: a plain boundary
+as they own them (``StepRows.split``); the tokens whole, or where a module splits its sequence (CP, SP)
+as it does (an LLM rank gets the placeholder positions it holds, ``Arrival.index``). Gradients: a plain boundary
 sums what the destination's replicas of a shard hand in, and each replica (e.g. a TP rank) holds the full
 gradient of its input, so each hands in its share (1/replicas). A compressed edge copies instead of
 summing (payloads cannot be added): every replica hands in the full gradient and the source gets it once.
@@ -24,14 +25,17 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from hetero.graph.graph import Edge, Graph
 from hetero.kinds.registry import Arrival, StageResult, StageStep
-from hetero.parallel.boundary import Boundary, Rows, Sharding, Side, TensorSpec, Transfer
+from hetero.parallel.boundary import Boundary, Rows, Side, TensorSpec, Transfer
+from hetero.parallel.boundary_plan import sequence_spans
 from hetero.parallel.compressed_boundary import CompressedBoundary
+from hetero.parallel.layout import Layout
 from hetero.runtime.rows import StepRows
 from hetero.runtime.schedule import Action
 
@@ -149,7 +153,7 @@ class Executor:
             dp = src.mesh.coord.dp
             result = self.outputs.get((edge.src, m))
             if result is None:  # this replica holds none of the microbatch's rows
-                x = torch.zeros(runtime_edge.shape(0), device=src.device)
+                x = torch.zeros(runtime_edge.source_shape(split), device=src.device)
             else:
                 x = result.outputs[edge.output][self.rows.positions(edge, m, edge.src, dp).to(src.device)]
                 x = x.detach().float()
@@ -159,7 +163,7 @@ class Executor:
             leaf = out.detach().requires_grad_(self.training)
             self.delivered[(edge_name, m)] = leaf
             positions = self.rows.positions(edge, m, edge.dst, dst.mesh.coord.dp).to(dst.device)
-            self.arrivals[(edge.dst, m)].append(Arrival(edge.input, leaf, positions, edge.offset))
+            self.arrivals[(edge.dst, m)].append(Arrival(edge.input, leaf, positions, runtime_edge.index))
 
     def edge_backward(self, edge_name: str, m: int) -> None:
         runtime_edge = self.runtime.edges[edge_name]
@@ -181,19 +185,30 @@ class Executor:
             grads[edge.output] = total.index_add(0, positions, returned.to(total.dtype))
 
 
-SPEC = TensorSpec(3, source=Sharding(batch_dim=0, seq_dim=None), destination=Sharding(batch_dim=0, seq_dim=None))
-
-
 class RuntimeEdge:
     def __init__(self, edge: Edge, graph: Graph, timeout_s: float, async_sends: bool, device: torch.device):
         self.edge = edge
         source, destination = Side(graph.nodes[edge.src].layout), Side(graph.nodes[edge.dst].layout)
+        spec = TensorSpec(3, source=edge.source, destination=edge.destination)
         common = dict(timeout_s=timeout_s, async_sends=async_sends, device=device)
-        self.plain = Boundary(edge.name, source, destination, SPEC, **common)
-        self.codec = (CompressedBoundary(edge.name, source, destination, SPEC, edge.width, edge.compression, **common)
+        self.plain = Boundary(edge.name, source, destination, spec, **common)
+        self.codec = (CompressedBoundary(edge.name, source, destination, spec, edge.width, edge.compression, **common)
                       if edge.compression.enabled else None)
         self.use_codec = False
         self._transfers: dict[int, Transfer] = {}
+        self.index = self._destination_index(graph.nodes[edge.dst].layout, device) if self.is_destination else None
+
+    def _destination_index(self, layout: Layout, device: torch.device) -> torch.Tensor:
+        """Where the tokens this destination rank receives sit in its local sequence (placeholders)."""
+        coord, sharding, edge = layout.coord(self.plain.rank), self.edge.destination, self.edge
+        if sharding.seq_dim is None:
+            return torch.arange(edge.offset, edge.offset + edge.tokens, device=device)
+        length = sharding.window[1]
+        held = _positions(sequence_spans(length, replace(sharding, window=None), layout, coord))
+        window = _positions(sequence_spans(edge.tokens, sharding, layout, coord)) + edge.offset
+        where = torch.full((length,), -1, dtype=torch.long, device="cpu")
+        where[held] = torch.arange(len(held))
+        return where[window].to(device)
 
     @property
     def is_source(self) -> bool:
@@ -212,6 +227,10 @@ class RuntimeEdge:
 
     def shape(self, rows: int) -> tuple[int, int, int]:
         return (rows, self.edge.tokens, self.edge.width)
+
+    def source_shape(self, rows: Rows) -> tuple[int, ...]:
+        """This source rank's local part of a call's tensor."""
+        return next(iter(self.plain.plan(self.shape(sum(rows.source)), rows).src_shapes.values()))
 
     def forward(self, m: int, x: torch.Tensor | None, rows: Rows) -> torch.Tensor | None:
         shape = self.shape(sum(rows.source))
@@ -253,3 +272,7 @@ class RuntimeEdge:
 
     def memory_bytes(self) -> int:
         return self.codec.memory_bytes() if self.codec is not None else 0
+
+
+def _positions(spans) -> torch.Tensor:
+    return torch.cat([torch.arange(start, stop) for start, stop in spans])

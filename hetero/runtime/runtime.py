@@ -69,6 +69,7 @@ class Runtime:
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on the global batch: the combined loss, each module's loss and parts
         (``<module>.loss``, ``<module>.<part>``), the gradient norm before clipping and ``stepped``."""
+        self._check(batch)
         rows = StepRows(self.graph, batch, self.microbatches)
         for module in self.modules.values():
             module.zero_grad()
@@ -103,6 +104,7 @@ class Runtime:
         without changing anything; losses are sums over every batch over the global counts."""
         losses = counts = metric_sums = lows = keys = None
         for batch in batches:
+            self._check(batch)
             rows = StepRows(self.graph, batch, self.microbatches)
             self._begin(rows, batch, training=False)
             executor = Executor(self, batch, rows, False, self.step)
@@ -117,6 +119,12 @@ class Runtime:
         if losses is None:
             raise ValueError("evaluate() got no batches")
         return self._reduced_losses(losses, counts) | self._reduced_metrics(keys, metric_sums, lows)
+
+    def _check(self, batch: dict[str, torch.Tensor]) -> None:
+        errors = [error for name, node in self.graph.nodes.items()
+                  for error in node.kind.batch_errors(name, node.config, batch)]
+        if errors:
+            raise ValueError("\n".join(errors))
 
     def _begin(self, rows: StepRows, batch: dict[str, torch.Tensor], training: bool) -> None:
         """Tell compressed edges and stage links whether this pass uses their codecs, and its row keys."""

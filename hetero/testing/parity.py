@@ -38,6 +38,9 @@ class Record:
     losses: list[list[float]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    # per edge, the bytes this rank sent in the first step: forward to the other module's ranks, forward
+    # within its own replica group (completing what crossed), backward to the other module's ranks
+    edge_bytes: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def relative(got: float, want: float) -> float:
@@ -96,6 +99,9 @@ def record_run(runtime, batches: Iterable[dict], keys: Sequence[str] = ("loss",)
         record.grad_norms.append(metrics["grad_norm"])
         if step == 0:
             record.grads = module_grads(runtime)
+            record.edge_bytes = {name: tuple(edge.plain.counters().get(key, 0) for key in (
+                "forward.cross_sent_bytes", "forward.intra_sent_bytes", "backward.cross_sent_bytes"))
+                for name, edge in runtime.edges.items()}
     return record
 
 

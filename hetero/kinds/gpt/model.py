@@ -107,8 +107,8 @@ class GPT(nn.Module):
 
         ``positions`` are the absolute positions of the sequence this rank holds (needed when the
         sequence is split, e.g. by context parallelism); by default 0..seq-1. ``inserts``: other modules'
-        embeddings, each ``(start, values, rows)``, replacing positions ``start:start + values.shape[1]``
-        of rows ``rows`` of the token embeddings (placeholders). ``return_hidden``: also return the final
+        embeddings, each ``(index, values, rows)``, replacing local positions ``index`` of rows ``rows``
+        of the token embeddings (placeholders). ``return_hidden``: also return the final
         (normed) hidden states, e.g. for a module conditioned on them.
         """
         if positions is None:
@@ -118,8 +118,8 @@ class GPT(nn.Module):
         # Float input is already embedded: hidden states from the previous stage, or the first stage's
         # embeddings with other modalities merged in.
         h = x if torch.is_floating_point(x) else self.tok_embeddings(x)  # type: ignore[misc]
-        for start, values, rows in inserts:
-            h = place_rows(h, start, values, rows)
+        for index, values, rows in inserts:
+            h = place_rows(h, index, values, rows)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:
@@ -128,11 +128,11 @@ class GPT(nn.Module):
         return (out, h) if return_hidden else out
 
 
-def place_rows(h: torch.Tensor, start: int, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``h`` (batch, seq, hidden) with positions ``start:start + values.shape[1]`` of rows ``rows`` replaced
-    by ``values`` (len(rows), tokens, hidden); other rows unchanged. Differentiable in both."""
+def place_rows(h: torch.Tensor, index: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``h`` (batch, seq, hidden) with positions ``index`` of rows ``rows`` replaced by ``values``
+    (len(rows), len(index), hidden); other rows unchanged. Differentiable in both."""
     out = h.clone()
-    out[rows, start : start + values.shape[1]] = values.to(h.dtype)
+    out[rows[:, None], index[None, :]] = values.to(h.dtype)
     return out
 
 

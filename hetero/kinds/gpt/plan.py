@@ -94,6 +94,6 @@ def parallelize_gpt(model: GPT, mesh: ModuleMesh, options: ParallelOptions) -> G
         apply_tensor_parallel(model, mesh, options.sequence_parallel)
     if layout.cp > 1:
         for block in model.layers.values():
-            block.attention.core = ContextParallelAttention(mesh.group("cp"), layout.cp, coord.cp)
+            block.attention.core = ContextParallelAttention(mesh.group("cp"), layout.cp, coord.cp, options.cp_attention)
     wrap_blocks(model, model.layers, mesh, options)
     return model

@@ -4,9 +4,9 @@ positions, trained on next-token cross-entropy.
 - reads ``tokens`` and ``labels`` of every row; in evaluation also every ``*_position`` column present
   (e.g. ``digit_position``), whose next-token accuracy it reports as ``<name>_accuracy``;
 - input ``embeddings`` (width ``hidden_size``): any number of edges, each replacing placeholder positions
-  of the rows it carries;
+  of the rows it carries (under CP and SP each rank the positions it holds);
 - output ``hidden`` (``seq_len`` × ``hidden_size``): the final (normed) hidden states of its rows, e.g. a
-  generator's condition;
+  generator's condition (under CP and SP each rank's part of the sequence);
 - loss: the cross-entropy summed over the tokens a rank holds, over the global count of supervised tokens.
 
 Under context parallelism each rank holds the zigzag chunks of its CP coordinate (tokens, labels and
@@ -46,6 +46,12 @@ class GPTKind(Kind):
     def data_keys(self, config: GPTConfig) -> tuple[str, ...]:
         return ("tokens", "labels")
 
+    def batch_errors(self, module: str, config: GPTConfig, batch: dict[str, torch.Tensor]) -> list[str]:
+        return [f"{module}: the batch's {key} hold {batch[key].shape[1]} positions per row but {module}.model.seq_len="
+                f"{config.seq_len}; make the data's sequences {config.seq_len} long or set {module}.model.seq_len="
+                f"{batch[key].shape[1]}"
+                for key in ("tokens", "labels") if key in batch and batch[key].shape[1] != config.seq_len][:1]
+
     def evaluation_keys(self, available) -> tuple[str, ...]:
         return tuple(key for key in available if key.endswith("_position"))
 
@@ -53,10 +59,11 @@ class GPTKind(Kind):
         return [(key.removesuffix("_position") + "_accuracy", "mean") for key in self.evaluation_keys(available)]
 
     def inputs(self, config: GPTConfig) -> dict[str, Port]:
-        return {"embeddings": Port(config.hidden_size, placeholders=True, field="hidden_size")}
+        return {"embeddings": Port(config.hidden_size, tokens=config.seq_len, placeholders=True, field="hidden_size",
+                                   sequence=True)}
 
     def outputs(self, config: GPTConfig) -> dict[str, Port]:
-        return {"hidden": Port(config.hidden_size, tokens=config.seq_len, field="hidden_size")}
+        return {"hidden": Port(config.hidden_size, tokens=config.seq_len, field="hidden_size", sequence=True)}
 
     def loss_count(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> int:
         return int((batch["labels"][rows] != IGNORE_INDEX).sum())
@@ -82,10 +89,12 @@ class GPTKind(Kind):
             tokens, labels = split_for_cp(tokens, 1, cp, cp_rank), split_for_cp(labels, 1, cp, cp_rank)
             positions = zigzag_indices(seq_len, cp, cp_rank, device=step.device)
         x = tokens if mesh.is_first_stage else step.activation
-        inserts = [(arrival.offset, arrival.tensor, arrival.positions) for arrival in step.inputs]
+        inserts = [(arrival.index, arrival.tensor, arrival.positions) for arrival in step.inputs]
         if not mesh.is_last_stage:
             return StageResult(activation=model(x, positions, inserts=inserts))
         logits, hidden = model(x, positions, return_hidden=True, inserts=inserts)
+        if isinstance(hidden, DTensor):  # sequence parallelism: this rank's part of the sequence
+            hidden = hidden.to_local()
         result = StageResult(outputs={"hidden": hidden}, loss=token_loss_sum(logits, labels))
         if not step.training:
             for key in self.evaluation_keys(data):

@@ -48,6 +48,7 @@ BENCHMARKS = {
     "activation-compression": "hetero.bench.activation_compression",
     "boundary": "hetero.bench.boundary",
     "compression": "hetero.bench.compression",
+    "cp-attention": "hetero.bench.cp_attention",
     "genezip": "hetero.bench.genezip",
     "graph": "hetero.bench.graph",
     "overhead": "hetero.bench.overhead",

@@ -66,3 +66,15 @@ def test_hetero_train_feeds_dna_and_images_into_the_llm(tmp_path):
     assert "boundary.dna->llm.forward=" in out and "boundary.vision->llm.forward=" in out
     assert "grad_sync.dna=" in out
     assert "digit accuracy" in out and "gc accuracy" in out
+
+
+def test_hetero_train_runs_the_long_context_plan_shape(tmp_path):
+    """long_context_vlm: the LLM tp2·cp2 over a 512-token fused sequence, vision dp4 on the same 4 ranks;
+    training and the held-out digit accuracy run with the image embeddings delivered per CP rank."""
+    done = hetero_train(tmp_path, "long_context_vlm", "train.steps=2", "train.log_every=1", "train.eval_every=2",
+                        "train.wandb=disabled")
+    out = done.stdout
+    assert "--nproc_per_node=4" in out
+    assert "step     2 | loss" in out and "boundary.vision->llm.forward=" in out
+    (heldout,) = [line for line in out.splitlines() if line.startswith("step     2 | held-out")]
+    assert "digit accuracy" in heldout, heldout

@@ -166,6 +166,10 @@ CASES = {
         setter("llm.parallel", {"pipeline_schedule": "zero_bubble"}),
         r"llm\.parallel\.pipeline_schedule='zero_bubble' is not one of gpipe, 1f1b",
     ),
+    "unknown CP attention method": (
+        setter("llm.parallel", {"cp_attention": "ulysses"}),
+        r"llm\.parallel\.cp_attention='ulysses' is not one of ring, allgather",
+    ),
     "sequence parallel split does not divide": (
         both(setter("llm.parallel", {"sequence_parallel": True}), setter("llm.model.seq_len", 65)),
         r"llm\.parallel\.sequence_parallel: the 65 tokens each CP rank holds do not split over tp=2",

@@ -96,12 +96,20 @@ class FaultGuard:
             signal.set_wakeup_fd(previous_fd)
             signal.signal(signal.SIGTERM, previous)
             wake_write.close()
+            # Joined, not left as daemons: a daemon thread still inside a store call when the interpreter
+            # finalizes aborts the process ("terminate called without an active exception").
+            for thread in threads:
+                thread.join(timeout=HEARTBEAT_S + 5.0)
 
     def _terminated(self, wake: socket.socket) -> None:
         """The launcher stops the surviving ranks when one exits: say which peer it was first."""
         with contextlib.suppress(OSError):
-            while signal.SIGTERM not in wake.recv(64):
-                pass
+            while True:
+                woken = wake.recv(64)
+                if not woken:  # the guard closed its end: the job is over
+                    return
+                if signal.SIGTERM in woken:
+                    break
             self._exit("stopped by the launcher (SIGTERM), as another rank ended", None)
 
     @contextlib.contextmanager

@@ -103,6 +103,15 @@ NAMED_CASES: dict[int, list[Case]] = {
             single=False,
         ),
         Case(
+            "token_ids_and_mask_beside_hidden_states",
+            Side(layout([0, 1], dp=2)),
+            Side(layout([1, 2, 3], cp=1, dp=3)),
+            {"hidden": spec(), "tokens": spec(ndim=2, dtype=torch.int64), "mask": spec(ndim=2, dtype=torch.bool),
+             "positions": spec(ndim=2, dtype=torch.int32)},
+            ({"hidden": (6, 4, 3), "tokens": (6, 4), "mask": (6, 4), "positions": (6, 4)},),
+            single=False,
+        ),
+        Case(
             "varying_shapes",
             Side(layout([0, 1], dp=2)),
             Side(layout([0, 1, 2, 3], tp=2, dp=2)),

@@ -145,6 +145,7 @@ class Boundary:
             name, self.digest, self._link_group(group, timeout_s), self.specs,
             self.source.layout.dp + self.destination.layout.dp, self.device, timeout_s, self._role,
         )
+        self.wire.open()
         self._plans: OrderedDict[tuple, RankPlan] = OrderedDict()
         self._plan_cache_size = plan_cache_size
         self._calls = dict.fromkeys(DIRECTIONS, 0)

@@ -40,7 +40,11 @@ from hetero.parallel.layout import Coord, Layout
 Span = tuple[int, int]  # [start, stop) of global indices along one dim
 Box = tuple[tuple[Span, ...], ...]  # per dim, the spans a rank holds in local order
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)
+# Header codes are indices into this tuple: append, never reorder. Integer and bool tensors (token ids,
+# masks) cross without gradients.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int64, torch.int32, torch.bool,
+)
 
 
 @dataclass(frozen=True)

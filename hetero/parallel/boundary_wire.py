@@ -36,6 +36,7 @@ Direction = Literal["forward", "backward"]
 DIRECTIONS: tuple[Direction, ...] = ("forward", "backward")
 HEADER_MAGIC = 0x6865746572  # "heter"
 HEADER_TAG = 1  # call headers of every boundary share this tag: a call to another boundary is named
+OPEN_TAG = 0  # the group's opening round (Wire.open); payload tags are >= 2
 NAME_BYTES = 64  # a boundary's name travels in its call header, cut to this many bytes
 COUNTER_KINDS = (
     "calls",
@@ -114,6 +115,20 @@ class Wire:
     def reset_counters(self) -> None:
         self.counters = {f"{d}.{kind}": 0 for d in DIRECTIONS for kind in COUNTER_KINDS}
 
+    def open(self) -> None:
+        """Every member of the link group passes one word to the next in one batch (call it on every
+        member): NCCL needs a group's first batched P2P to include every member, and a boundary's own
+        calls may involve only some of them."""
+        members = dist.get_process_group_ranks(self.group)
+        if self.rank not in members or len(members) == 1:
+            return
+        i, n = members.index(self.rank), len(members)
+        token, arrived = torch.zeros(1, dtype=torch.int64, device=self.device), torch.empty(1, dtype=torch.int64, device=self.device)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, token, members[(i + 1) % n], self.group, tag=OPEN_TAG),
+                                        dist.P2POp(dist.irecv, arrived, members[(i - 1) % n], self.group, tag=OPEN_TAG)])
+        for work in works:
+            work.wait()
+
     def count(self, direction: Direction, kind: str, amount: int) -> None:
         self.counters[f"{direction}.{kind}"] += amount
 
@@ -138,8 +153,9 @@ class Wire:
         encodes the call's signature, so only a matching call's payload can land in them. With ``defer``
         a rank that only sends here leaves its sends to ``wait_sends``."""
         arriving = {peer: self.buffer(entries) for peer, entries in into.items()}
-        sends = [Message(peer, pack(entries, values), "cross", tag) for peer, entries in out.items()]
-        sends += [m for peer in sorted(header_to) for m in self.header_messages(peer, header)]
+        # Headers before payloads on both sides: NCCL pairs a link's messages by order, not by tag.
+        sends = [m for peer in sorted(header_to) for m in self.header_messages(peer, header)]
+        sends += [Message(peer, pack(entries, values), "cross", tag) for peer, entries in out.items()]
         headers = {peer: self.empty_header() for peer in sorted(header_from)}
         recvs = [m for peer, h in headers.items() for m in self.header_messages(peer, h)]
         recvs += [Message(peer, buffer, "cross", tag) for peer, buffer in arriving.items()]

@@ -8,6 +8,10 @@ Python stacks are dumped to stderr just before). Nothing can hang the caller.
 
 Processes come from a forkserver that has already imported torch, so starting 8 ranks is cheap and
 no thread state of the caller (e.g. OpenMP pools in pytest's process) leaks into the children.
+
+Every rank records the point-to-point operations and collectives ``fn`` posts, and a run whose traffic
+breaks a rule NCCL enforces (``hetero.testing.comm_rules``) raises ``CommRuleViolation`` even though gloo
+ran it (``comm_rules=False`` turns the check off).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
+
+from hetero.testing.comm_rules import Recorder, check
 
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "hetero"])
@@ -51,6 +57,7 @@ def _rank_main(
     args: tuple,
     kwargs: dict,
     results: Any,
+    comm_rules: bool,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -68,13 +75,18 @@ def _rank_main(
             world_size=world_size,
             timeout=timedelta(seconds=collective_timeout_s),
         )
+        recorder = Recorder() if comm_rules else None
+        if recorder is not None:
+            recorder.install()
         value = fn(rank, world_size, *args, **kwargs)
+        if recorder is not None:
+            recorder.uninstall()
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
         _report(results, rank, False, traceback.format_exc())
         os._exit(1)  # skip interpreter shutdown: peers may be blocked in collectives with us
-    _report(results, rank, True, value)
+    _report(results, rank, True, (value, recorder.record() if recorder is not None else None))
 
 
 def _report(results: Any, rank: int, ok: bool, value: Any) -> None:
@@ -92,12 +104,14 @@ def run_ranks(
     timeout_s: float = 120.0,
     collective_timeout_s: float | None = None,
     backend: str = "gloo",
+    comm_rules: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return their results.
 
     ``timeout_s`` bounds the whole run; ``collective_timeout_s`` (default: the same) is the process
     group's own timeout, after which a collective that lacks a peer raises on the waiting rank.
+    ``comm_rules``: check the traffic against NCCL's rules once every rank is done.
     """
     if not 1 <= world_size <= 8:
         raise ValueError(f"world_size={world_size}: the harness runs 1 to 8 ranks on this machine")
@@ -118,6 +132,7 @@ def run_ranks(
                     args,
                     kwargs,
                     results,
+                    comm_rules,
                 ),
                 name=f"rank{rank}",
                 daemon=True,
@@ -127,7 +142,7 @@ def run_ranks(
         for proc in procs:
             proc.start()
         try:
-            return _collect(procs, results, timeout_s)
+            reports = _collect(procs, results, timeout_s)
         finally:
             for proc in procs:
                 if proc.is_alive():
@@ -135,6 +150,9 @@ def run_ranks(
             for proc in procs:
                 proc.join(5)
             results.close()
+    if comm_rules:
+        check([record for _, record in reports])
+    return [value for value, _ in reports]
 
 
 def _collect(procs: list[Any], results: Any, timeout_s: float) -> list[Any]:

@@ -11,7 +11,7 @@ from boundary_oracle import reference_indices
 from hetero.config import ExperimentConfig
 from hetero.graph import build_graph
 from hetero.graph.graph import Edge, Graph
-from hetero.parallel.boundary_plan import Rows
+from hetero.parallel.sharding import Rows
 from hetero.runtime.rows import StepRows
 from hetero.testing.parity import Record
 

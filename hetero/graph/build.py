@@ -13,7 +13,7 @@ from hetero.errors import ConfigError
 from hetero.graph.graph import Edge, Graph, Node
 from hetero.kinds import default_registry
 from hetero.kinds.registry import KindRegistry
-from hetero.parallel.boundary_plan import Sharding
+from hetero.parallel.sharding import Sharding
 from hetero.parallel.placement import place
 
 SCHEDULES = ("auto", "phased", "graph_pipeline")

@@ -8,7 +8,7 @@ from typing import Any
 
 from hetero.config import ModuleConfig
 from hetero.kinds.registry import Kind
-from hetero.parallel.boundary_plan import Sharding
+from hetero.parallel.sharding import Sharding
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 from hetero.parallel.layout import Layout
 from hetero.parallel.placement import Placement

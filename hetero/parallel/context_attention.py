@@ -115,7 +115,6 @@ KV_TAG, GRAD_TAG = 11, 12
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, rank: int, cp: int, kernel: str):
-        c = q.shape[2] // 2
         mine = (rank, 2 * cp - 1 - rank)
         kv = torch.stack([k, v])
         merged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]

@@ -33,7 +33,7 @@ import torch
 from hetero.graph.graph import Edge, Graph
 from hetero.kinds.registry import Arrival, StageResult, StageStep
 from hetero.parallel.boundary import Boundary, Rows, Side, TensorSpec, Transfer
-from hetero.parallel.boundary_plan import sequence_spans
+from hetero.parallel.sharding import sequence_spans
 from hetero.parallel.compressed_boundary import CompressedBoundary
 from hetero.parallel.layout import Layout
 from hetero.runtime.rows import StepRows

@@ -13,7 +13,7 @@ import torch
 
 from hetero.data.digits import dp_rows
 from hetero.graph.graph import Edge, Graph
-from hetero.parallel.boundary_plan import Rows
+from hetero.parallel.sharding import Rows
 
 
 def presence(batch: dict[str, torch.Tensor], modality: str | None) -> torch.Tensor:

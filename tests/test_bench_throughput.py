@@ -156,3 +156,12 @@ def test_under_torchrun_a_world_that_does_not_match_is_refused_before_joining(mo
     one_rank = ["world_size=1", "vision.layout.dp=1", "llm.layout.tp=1", "llm.layout.dp=1", "vision.micro_batch_size=8"]
     assert main(["bench", "throughput", "colocated_vlm", *one_rank, "--steps", "1"]) == 2
     assert "torchrun started 2 ranks but colocated_vlm runs on world_size=1; pass --scaling" in capsys.readouterr().err
+
+
+def test_gpu_peaks_are_looked_up_by_the_name_cuda_reports():
+    from hetero.bench.device_peaks import dense_bf16_peak_tflops
+
+    names = {"NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA H100 80GB HBM3": 989.0,
+             "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.0, "NVIDIA H200 NVL": 835.0,
+             "NVIDIA B200": 2250.0, "Tesla T4": None}
+    assert {name: dense_bf16_peak_tflops(name) for name in names} == names

@@ -16,7 +16,8 @@ sequence length per step time), samples/s, model FLOPs per step per module (Mega
 count from ``hetero.kinds.flops``: attention included, training = 3 × forward, recomputation not
 counted again; GeneZip's dynamic chunking counted by torch's flop counter on one batch of real
 windows), TFLOPs/s per rank (FLOPs / step time / world size) and MFU against ``--peak-tflops`` (the
-declared per-rank peak; without it MFU is n/a). Bytes per step per communicator (world-summed, as
+declared per-rank peak; without it, the GPU's dense bf16 datasheet peak from ``device_peaks``, and n/a on
+CPU or an unlisted GPU). Bytes per step per communicator (world-summed, as
 ``hetero train`` logs them): the boundary per edge and direction, the LLM's stage edges and each
 module's gradient sync, from the counters over the timed steps, plus DTensor's own collectives (tensor
 parallelism, loss parallelism, the sharded gradient norm), which those counters do not see: counted in
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetero.bench.device_peaks import local_device_peak_tflops
 from hetero.config import ExperimentConfig, load_experiment
 from hetero.graph import build_graph
 from hetero.errors import ConfigError
@@ -266,7 +268,7 @@ def format_run(run: dict[str, Any]) -> str:
     mfu = (
         f"{run['mfu'] * 100:.2f}% of {run['peak_tflops_per_rank']:g} TFLOP/s"
         if run["mfu"] is not None
-        else "n/a (declare the per-rank peak with --peak-tflops)"
+        else "n/a (declare the per-rank peak with --peak-tflops; GPUs in bench/device_peaks.py are looked up)"
     )
     rows = [
         ("layouts", layouts),
@@ -425,10 +427,13 @@ def main(argv: list[str] | None = None) -> int:
 def _record(args: argparse.Namespace, config: str, overrides: list[str], scale: int, experiment: ExperimentConfig,
             placement: Placement, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     dna = dna_forward_flops_per_sample(experiment) if "dna" in experiment.modules else None
+    peak, device = local_device_peak_tflops()
+    peak, source = (args.peak_tflops, "--peak-tflops") if args.peak_tflops is not None else (peak, f"{device} (datasheet)")
     return {
         "benchmark": "throughput", "config": config, "experiment": experiment.name, "overrides": overrides,
         "scaling": args.scaling, "scale": scale, "steps": args.steps, "warmup": args.warmup,
-    } | summarize(experiment, placement, per_rank, model_flops(experiment, dna), args.peak_tflops)
+        "peak_source": source if peak else None,
+    } | summarize(experiment, placement, per_rank, model_flops(experiment, dna), peak)
 
 
 def _main_launched(args: argparse.Namespace, name: str, overrides: list[str], base: ExperimentConfig) -> int:

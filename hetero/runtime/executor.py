@@ -207,7 +207,7 @@ class RuntimeEdge:
         held = _positions(sequence_spans(length, replace(sharding, window=None), layout, coord))
         window = _positions(sequence_spans(edge.tokens, sharding, layout, coord)) + edge.offset
         where = torch.full((length,), -1, dtype=torch.long, device="cpu")
-        where[held] = torch.arange(len(held))
+        where[held] = torch.arange(len(held), device="cpu")
         return where[window].to(device)
 
     @property
@@ -275,4 +275,4 @@ class RuntimeEdge:
 
 
 def _positions(spans) -> torch.Tensor:
-    return torch.cat([torch.arange(start, stop) for start, stop in spans])
+    return torch.cat([torch.arange(start, stop, device="cpu") for start, stop in spans])  # host-side indices

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hetero.parallel.boundary import Boundary, Sharding, Side, TensorSpec
+from hetero.parallel.boundary import Boundary, Rows, Sharding, Side, TensorSpec
 from hetero.parallel.context import zigzag_indices
 from hetero.parallel.layout import Layout
 
@@ -111,8 +111,9 @@ def global_gradient(case: Case, case_id: int, call: int, key: str) -> torch.Tens
     return total.to(spec.dtype)
 
 
-def ideal_bytes(case: Case, call: int) -> dict[str, int]:
-    """Minimum traffic, from masks: which destination ranks lack which elements in their own process."""
+def ideal_bytes(case: Case, call: int, rows: Rows = Rows()) -> dict[str, int]:
+    """Minimum traffic, from masks: which destination ranks lack which elements in their own process;
+    ``rows``: each side's DP row counts (default: even splits)."""
     cross = total = local = 0
     for key, spec in case.specs.items():
         shape = case.calls[call][key]
@@ -121,14 +122,14 @@ def ideal_bytes(case: Case, call: int) -> dict[str, int]:
             mask = torch.zeros(shape, dtype=torch.bool)
             mask[
                 torch.meshgrid(
-                    *reference_indices(shape, spec.source, case.source.layout, rank), indexing="ij"
+                    *reference_indices(shape, spec.source, case.source.layout, rank, rows.source), indexing="ij"
                 )
             ] = True
             held[rank] = mask
         lacking_anywhere = torch.zeros(shape, dtype=torch.bool)
         for rank in destination_ranks(case):
             need = torch.zeros(shape, dtype=torch.bool)
-            index = reference_indices(shape, spec.destination, case.destination.layout, rank)
+            index = reference_indices(shape, spec.destination, case.destination.layout, rank, rows.destination)
             need[torch.meshgrid(*index, indexing="ij")] = True
             has = held.get(rank, torch.zeros(shape, dtype=torch.bool))
             lacking = need & ~has

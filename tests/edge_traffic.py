@@ -5,38 +5,23 @@ positions it holds, nothing else). A parity test compares each edge's first-step
 
 from __future__ import annotations
 
-import torch
-
-from boundary_oracle import reference_indices
+from boundary_oracle import Case, ideal_bytes
 from hetero.config import ExperimentConfig
 from hetero.graph import build_graph
 from hetero.graph.graph import Edge, Graph
+from hetero.parallel.boundary import Side, TensorSpec
 from hetero.parallel.sharding import Rows
 from hetero.runtime.rows import StepRows
 from hetero.testing.parity import Record
 
-ITEM = 4  # edges carry fp32
-
-
-def _mask(shape, sharding, layout, rank, counts) -> torch.Tensor:
-    mask = torch.zeros(shape, dtype=torch.bool)
-    mask[torch.meshgrid(*reference_indices(shape, sharding, layout, rank, counts), indexing="ij")] = True
-    return mask
-
 
 def minimum_bytes(graph: Graph, edge: Edge, shape: tuple[int, ...], rows: Rows) -> tuple[int, int]:
     """(bytes crossing between the modules, bytes the destination ranks receive in all) at the least."""
-    src, dst = graph.nodes[edge.src].layout, graph.nodes[edge.dst].layout
-    last = src.pp - 1
-    held = {r: _mask(shape, edge.source, src, r, rows.source) for r, c in src.coords() if c.pp == last}
-    lacking_anywhere, received = torch.zeros(shape, dtype=torch.bool), 0
-    for rank, coord in dst.coords():
-        if coord.pp == 0:
-            need = _mask(shape, edge.destination, dst, rank, rows.destination)
-            lacking = need & ~held.get(rank, torch.zeros(shape, dtype=torch.bool))
-            lacking_anywhere |= lacking
-            received += int(lacking.sum()) * ITEM
-    return int(lacking_anywhere.sum()) * ITEM, received
+    spec = TensorSpec(3, source=edge.source, destination=edge.destination)
+    case = Case(edge.name, Side(graph.nodes[edge.src].layout), Side(graph.nodes[edge.dst].layout),
+                {"tensor": spec}, ({"tensor": shape},))
+    ideal = ideal_bytes(case, 0, rows)
+    return ideal["cross"], ideal["total"]
 
 
 def check_edge_bytes(results: list[Record], config: ExperimentConfig, batch: dict, microbatches: int) -> str:

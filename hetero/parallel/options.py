@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16")
+REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: the gradients' own dtype (fp32)
 CP_ATTENTION = ("ring", "allgather")
 
 
@@ -15,6 +18,7 @@ class ParallelOptions:
     pipeline_schedule: str = "1f1b"
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     precision: str = "fp32"  # bf16: bf16 compute (autocast), fp32 master weights and gradients
+    reduce_precision: str = "fp32"  # the dtype DP gradient sums travel in (plain all-reduce and FSDP2)
     grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
     fsdp: bool = False  # shard parameters, gradients and optimizer state over dp×cp with FSDP2
     cp_attention: str = "ring"  # under cp > 1: K/V passed around the CP group (ring) or all-gathered
@@ -28,6 +32,9 @@ class ParallelOptions:
             )
         if self.precision not in PRECISIONS:
             errors.append(f"{module}.parallel.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.reduce_precision not in REDUCE_DTYPES:
+            errors.append(f"{module}.parallel.reduce_precision={self.reduce_precision!r} is not one of "
+                          f"{', '.join(REDUCE_DTYPES)}")
         if self.cp_attention not in CP_ATTENTION:
             errors.append(f"{module}.parallel.cp_attention={self.cp_attention!r} is not one of {', '.join(CP_ATTENTION)}")
         if self.grad_bucket_mb <= 0:

@@ -3,7 +3,10 @@ point-to-point link between neighbouring stages of a module.
 
 A stage's order lists forwards ("F", i) and backwards ("B", i). Sends are asynchronous and receives
 block, so any order in which each stage runs F(i) after its predecessor's F(i) and B(i) after its
-successor's B(i) completes; the runtime's schedules check theirs (``hetero.runtime.schedule``).
+successor's B(i) completes; the runtime's schedules check theirs (``hetero.runtime.schedule``). In 1F1B's
+steady state both neighbours send before they receive; NCCL runs a link's operations in order on one
+stream, so two unmatched sends facing each other would wait for ever once messages outgrow its buffers.
+There a stage posts its send and the receive that follows it as one batch (``send_and_recv``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,17 @@ class StageLink:
     def recv(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         dist.recv(buffer, src=self.peer, group=self.group)
+        return buffer
+
+    def send_and_recv(self, tensor: torch.Tensor, direction: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """``send`` then ``recv``, posted together so neither waits for the other."""
+        tensor = tensor.detach().contiguous()
+        buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.peer, self.group),
+                                        dist.P2POp(dist.irecv, buffer, self.peer, self.group)])
+        for work in works:  # on NCCL one work for both
+            work.wait()
+        self.sent_bytes[direction] += tensor.numel() * tensor.element_size()
         return buffer
 
     def finish(self) -> None:

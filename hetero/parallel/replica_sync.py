@@ -1,6 +1,7 @@
 """How a module's data-parallel replicas agree: a gradient sync every step, or DiLoCo's outer rounds.
 
-The runtime calls ``before_step()`` after every microbatch's backward and ``after_step()`` after its
+The runtime calls ``final_backward_begins()`` and ``final_backward_ends()`` around this rank's last
+backward of a step (the plain all-reduce overlaps it), ``before_step()`` after every microbatch's backward and ``after_step()`` after its
 optimizer step. With a per-step sync the first sums the replicas' gradients (compressed or not) and the
 second does nothing; with DiLoCo the first turns this replica's share of the global-mean gradient into its
 own mean gradient (the losses are normalized by the global token count) and the second counts the inner
@@ -12,15 +13,17 @@ DiLoCo's outer rounds run over the module's dp group, or over ``outer_comm`` whe
 
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
 
 from hetero.parallel.compression.build import build_diloco, build_grad_sync
 from hetero.parallel.compression.collective import Collective, GroupCollective
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.diloco import DiLoCo
-from hetero.parallel.data import GradSync
+from hetero.parallel.data import AllReduceGradSync, GradSync
 from hetero.parallel.mesh import ModuleMesh
-from hetero.parallel.options import ParallelOptions
+from hetero.parallel.options import REDUCE_DTYPES, ParallelOptions
 
 
 class ReplicaSync:
@@ -32,7 +35,10 @@ class ReplicaSync:
         compression: CompressionConfig | None = None,
         seed: int = 0,
         outer_comm: Collective | None = None,
+        before_launch: Callable[[nn.Parameter], None] | None = None,
     ):
+        """``before_launch``: run on a parameter whose gradient is final before an overlapped all-reduce
+        takes it (``AllReduceGradSync``)."""
         self.compression = compression or CompressionConfig()
         self.model = model
         self.replicas = 1 if mesh is None else mesh.layout.dp * mesh.layout.cp
@@ -46,12 +52,28 @@ class ReplicaSync:
         elif self.replicas > 1 and not options.fsdp:
             comm = GroupCollective(mesh.group("dp_cp"))  # type: ignore[union-attr]
             bucket_bytes = int(options.grad_bucket_mb * 2**20)
-            self.grad_sync = build_grad_sync(self.compression.grad, model.named_parameters(), comm, bucket_bytes, seed)
+            self.grad_sync = build_grad_sync(self.compression.grad, model.named_parameters(), comm, bucket_bytes, seed,
+                                             REDUCE_DTYPES[options.reduce_precision], before_launch)
 
     @property
     def bytes_sent(self) -> int:
         engine = self.diloco or self.grad_sync
         return engine.bytes_sent if engine is not None else 0
+
+    def final_backward_begins(self) -> None:
+        """This rank's final backward of the step is next: an overlapped sync starts from its hooks."""
+        if self.grad_sync is not None:
+            self.grad_sync.arm()
+
+    def final_backward_ends(self) -> None:
+        """It is over, or skipped on this replica (no rows): whatever the hooks did not start, starts."""
+        if self.grad_sync is not None:
+            self.grad_sync.flush()
+
+    def discard(self) -> None:
+        """The step is skipped: the sync's collectives complete (every replica posts them), nothing changes."""
+        if self.grad_sync is not None:
+            self.grad_sync.discard()
 
     def before_step(self) -> None:
         if self.grad_sync is not None:
@@ -60,6 +82,11 @@ class ReplicaSync:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(self.replicas)
+
+    def close(self) -> None:
+        """Detach from the model (a fresh sync replaces this one)."""
+        if isinstance(self.grad_sync, AllReduceGradSync):
+            self.grad_sync.remove_hooks()
 
     def after_step(self) -> None:
         if self.diloco is not None:

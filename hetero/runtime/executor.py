@@ -55,10 +55,13 @@ class Executor:
         self.outputs: dict[tuple[str, int], StageResult] = {}  # last stages' results, until their edges sent them
         self.output_grads: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
         self.results: dict[str, list[StageResult]] = defaultdict(list)  # last stages' results, for the step's end
+        self.prefetched: dict[tuple[str, int], torch.Tensor] = {}  # (module, m) -> what a paired receive got
+        self.next_action: Action | None = None
         self.handlers = {"F": self.forward, "B": self.backward, "EF": self.edge_forward, "EB": self.edge_backward}
 
     def run(self, actions: list[Action]) -> None:
-        for action in actions:
+        for i, action in enumerate(actions):
+            self.next_action = actions[i + 1] if i + 1 < len(actions) else None
             self.handlers[action.op](action.target, action.microbatch)
         for edge in self.runtime.edges.values():
             edge.wait_sends()
@@ -94,8 +97,9 @@ class Executor:
         host = {k: self.batch[k][local] for k in keys}
         received = None
         if not mesh.is_first_stage:
-            shape = node.kind.stage_shape(node.config, len(local), mesh.layout, node.options)
-            received = self.runtime.links[name].recv_activation(m, shape)
+            received = self.prefetched.pop((name, m), None)
+            if received is None:
+                received = self.runtime.links[name].recv_activation(m, self._stage_shape(name, local))
             received = received.detach().requires_grad_(self.training)
         step = StageStep(node.config, mesh, node.options, module.device, {k: v.to(module.device) for k, v in host.items()},
                          host, local, self.arrivals.pop((name, m), []) if mesh.is_first_stage else [], received,
@@ -104,21 +108,32 @@ class Executor:
         with self._timed(name), node.kind.compute(mesh), torch.set_grad_enabled(self.training), \
                 torch.autocast(module.device.type, dtype=torch.bfloat16, enabled=bf16):
             result = node.kind.stage(module.model, step)
+        if self.training:
+            self.saved[(name, m)] = (received, result)
         if not mesh.is_last_stage:
-            self.runtime.links[name].send_activation(m, result.activation.detach())
+            links, activation = self.runtime.links[name], result.activation.detach()
+            paired = self._paired(name, "B")
+            if paired is None:
+                links.send_activation(m, activation)
+            else:  # its gradient comes over the same link next
+                shape = tuple(self.saved[(name, paired)][1].activation.shape)
+                self.prefetched[(name, paired)] = links.send_activation_recv_grad(m, activation, paired, shape)
         else:
             self.results[name].append(result)
             if self.graph.out_edges(name):
                 self.outputs[(name, m)] = result
-        if self.training:
-            self.saved[(name, m)] = (received, result)
 
     def backward(self, name: str, m: int) -> None:
         module = self.runtime.modules[name]
         node, mesh = module.node, module.mesh
+        final = self.runtime.final_backward.get(name) == m
         if (name, m) not in self.saved:  # skipped in forward
+            if final:
+                module.replica_sync.final_backward_ends()
             return
         received, result = self.saved.pop((name, m))
+        if final:
+            module.replica_sync.final_backward_begins()  # the DP all-reduce starts from its gradient hooks
         with self._timed(name), node.kind.compute(mesh):
             if mesh.is_last_stage:
                 tensors, grads = [], []
@@ -134,10 +149,35 @@ class Executor:
                     torch.autograd.backward(tensors, grads)
             else:
                 activation = result.activation
-                activation.backward(self.runtime.links[name].recv_grad(m, tuple(activation.shape)))
+                grad = self.prefetched.pop((name, m), None)
+                if grad is None:
+                    grad = self.runtime.links[name].recv_grad(m, tuple(activation.shape))
+                activation.backward(grad)
+        if final:
+            module.replica_sync.final_backward_ends()
         if received is not None:
             grad = received.grad if received.grad is not None else torch.zeros_like(received)
-            self.runtime.links[name].send_grad(m, grad)
+            links, paired = self.runtime.links[name], self._paired(name, "F")
+            if paired is None:
+                links.send_grad(m, grad)
+            else:  # its activation comes over the same link next
+                shape = self._stage_shape(name, self._local(name, paired))
+                self.prefetched[(name, paired)] = links.send_grad_recv_activation(m, grad, paired, shape)
+
+    def _stage_shape(self, name: str, local: torch.Tensor) -> tuple[int, ...]:
+        node, mesh = self.graph.nodes[name], self.runtime.modules[name].mesh
+        return node.kind.stage_shape(node.config, len(local), mesh.layout, node.options)
+
+    def _paired(self, name: str, op: str) -> int | None:
+        """The microbatch of this rank's next action when it is module ``name``'s ``op`` and receives over
+        the link the current action just sent on (1F1B's steady state), else None."""
+        following = self.next_action
+        if following is None or following.op != op or following.target != name:
+            return None
+        m = following.microbatch
+        if op == "B":
+            return m if (name, m) in self.saved else None  # a skipped forward has no backward
+        return None if self._skips(name, self._local(name, m)) else m
 
     # -------------------------------------------------------------------------------------- edges
 

@@ -36,27 +36,56 @@ class StageLinks:
                 end.begin_step(rows, fresh, sample_ids)
 
     def recv_activation(self, m: int, shape: tuple[int, ...]) -> torch.Tensor:
-        end = self.ends.get("previous") if self.compressed else None
-        if end is None:
-            return self.previous.recv(shape, torch.float32)
-        buffer = self.previous.recv((end.payload_bytes("forward", shape),), torch.uint8)
-        return end.decode_forward(m, unpack(end.codec("forward"), buffer, shape), shape[-1])
+        buffer = self.previous.recv(*self._incoming("previous", "forward", shape))
+        return self._decode("previous", "forward", m, buffer, shape)
 
     def send_activation(self, m: int, x: torch.Tensor) -> None:
-        end = self.ends.get("next") if self.compressed else None
-        # The residual stream stays fp32 under bf16 autocast, so stages exchange fp32 activations.
-        self.next.send(x.float() if end is None else pack(end.encode_forward(m, x.float())), "forward")
+        self.next.send(self._outgoing("next", "forward", m, x), "forward")
 
     def recv_grad(self, m: int, shape: tuple[int, ...]) -> torch.Tensor:
-        end = self.ends.get("next") if self.compressed else None
-        if end is None:
-            return self.next.recv(shape, torch.float32)
-        buffer = self.next.recv((end.payload_bytes("backward", shape),), torch.uint8)
-        return end.decode_backward(m, unpack(end.codec("backward"), buffer, shape), shape[-1])
+        buffer = self.next.recv(*self._incoming("next", "backward", shape))
+        return self._decode("next", "backward", m, buffer, shape)
 
     def send_grad(self, m: int, grad: torch.Tensor) -> None:
-        end = self.ends.get("previous") if self.compressed else None
-        self.previous.send(grad.float() if end is None else pack(end.encode_backward(m, grad.float())), "backward")
+        self.previous.send(self._outgoing("previous", "backward", m, grad), "backward")
+
+    def send_activation_recv_grad(self, m: int, x: torch.Tensor, grad_m: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Microbatch ``m``'s activation to the next stage and microbatch ``grad_m``'s gradient (``shape``)
+        from it, in one batch (1F1B's steady state)."""
+        payload = self._outgoing("next", "forward", m, x)
+        buffer = self.next.send_and_recv(payload, "forward", *self._incoming("next", "backward", shape))
+        return self._decode("next", "backward", grad_m, buffer, shape)
+
+    def send_grad_recv_activation(self, m: int, grad: torch.Tensor, activation_m: int,
+                                  shape: tuple[int, ...]) -> torch.Tensor:
+        """Microbatch ``m``'s input gradient to the previous stage and microbatch ``activation_m``'s
+        activation (``shape``) from it, in one batch."""
+        payload = self._outgoing("previous", "backward", m, grad)
+        buffer = self.previous.send_and_recv(payload, "backward", *self._incoming("previous", "forward", shape))
+        return self._decode("previous", "forward", activation_m, buffer, shape)
+
+    def _end(self, side: str) -> EdgeEnd | None:
+        return self.ends.get(side) if self.compressed else None
+
+    def _outgoing(self, side: str, direction: str, m: int, x: torch.Tensor) -> torch.Tensor:
+        # The residual stream stays fp32 under bf16 autocast, so stages exchange fp32 activations.
+        end = self._end(side)
+        if end is None:
+            return x.float()
+        encode = end.encode_forward if direction == "forward" else end.encode_backward
+        return pack(encode(m, x.float()))
+
+    def _incoming(self, side: str, direction: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype of what arrives from ``side`` for a tensor of ``shape``."""
+        end = self._end(side)
+        return (shape, torch.float32) if end is None else ((end.payload_bytes(direction, shape),), torch.uint8)
+
+    def _decode(self, side: str, direction: str, m: int, buffer: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        end = self._end(side)
+        if end is None:
+            return buffer
+        decode = end.decode_forward if direction == "forward" else end.decode_backward
+        return decode(m, unpack(end.codec(direction), buffer, shape), shape[-1])
 
     def finish(self) -> None:
         for link in (self.previous, self.next):

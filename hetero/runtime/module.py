@@ -38,7 +38,7 @@ class ModuleState:
 
     def _replica_sync(self) -> ReplicaSync:
         return ReplicaSync(self.model, self.mesh, self.node.options, self.node.settings.compression, self.seed,
-                           self.outer_comm)
+                           self.outer_comm, before_launch=settle_partial)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -50,9 +50,8 @@ class ModuleState:
         for param in self.model.parameters():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            elif isinstance(param.grad, DTensor) and any(isinstance(p, Partial) for p in param.grad.placements):
-                placements = [Replicate() if isinstance(p, Partial) else p for p in param.grad.placements]
-                param.grad = param.grad.redistribute(param.grad.device_mesh, placements)
+            else:
+                settle_partial(param)
 
     def local_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Sums of squared gradients this rank holds (no collectives): of TP-sharded parameters, and of
@@ -130,7 +129,16 @@ class ModuleState:
 
     def reset_replica_sync(self) -> None:
         """Start the replica sync afresh from the current weights (DiLoCo's anchor included)."""
+        self.replica_sync.close()
         self.replica_sync = self._replica_sync()
+
+
+def settle_partial(param: nn.Parameter) -> None:
+    """A ``Partial`` gradient (a sum still spread over TP ranks) reduced to the gradient it stands for."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
+        placements = [Replicate() if isinstance(p, Partial) else p for p in grad.placements]
+        param.grad = grad.redistribute(grad.device_mesh, placements)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

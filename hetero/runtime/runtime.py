@@ -60,6 +60,8 @@ class Runtime:
         self.links = {name: StageLinks(module.mesh, module.node.settings.compression.pipeline, self.device)
                       for name, module in self.modules.items()}
         self.actions = {training: check_schedule(graph, microbatches, training)[self.rank] for training in (True, False)}
+        # each module's last backward on this rank in a training step (its gradients are final after it)
+        self.final_backward = {a.target: a.microbatch for a in self.actions[True] if a.op == "B"}
         self.step = 0
         self.nonfinite: dict[str, list[int]] = {}  # the last step's, when it was skipped
         self.module_seconds = dict.fromkeys(graph.nodes, 0.0)  # this rank's compute time per module
@@ -85,6 +87,7 @@ class Runtime:
             for key, end in self.edge_ends().items():
                 end.load_state_dict(edge_states[key])
             for module in self.modules.values():
+                module.replica_sync.discard()
                 module.zero_grad()
             self.step += 1
             return metrics | {"grad_norm": math.nan, "stepped": 0.0}

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
+import torch
 from torch import nn
 
 from hetero.parallel.compression.codecs import BlockQuant, Codec, RandomK, TopK
-from hetero.parallel.compression.collective import Collective
+from hetero.parallel.compression.collective import Collective, GroupCollective
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
 from hetero.parallel.compression.diloco import DiLoCo
 from hetero.parallel.compression.grad_sync import CompressedGradSync
@@ -34,9 +35,13 @@ def build_grad_sync(
     comm: Collective,
     bucket_bytes: int,
     seed: int = 0,
+    reduce_dtype: torch.dtype | None = None,
+    before_launch: Callable[[nn.Parameter], None] | None = None,
 ) -> GradSync:
+    """``reduce_dtype`` and ``before_launch``: the plain all-reduce's (``AllReduceGradSync``)."""
     if config.method == "none":
-        return AllReduceGradSync(named_params, comm, bucket_bytes)
+        assert isinstance(comm, GroupCollective), "the plain all-reduce runs over a process group"
+        return AllReduceGradSync(named_params, comm, bucket_bytes, reduce_dtype, before_launch)
     if config.method == "powersgd":
         return PowerSGDGradSync(named_params, comm, config.rank, config.feedback, seed)
     codec = build_codec(config, seed)

@@ -60,6 +60,12 @@ class GroupCollective:
         dist.all_reduce(tensor, group=self.group)
         self.bytes_sent += all_reduce_wire_bytes(_nbytes(tensor), self.size)
 
+    def all_reduce_async(self, tensor: torch.Tensor) -> dist.Work:
+        """Start summing ``tensor`` over the group in place; the sum is there once the work is waited on."""
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        self.bytes_sent += all_reduce_wire_bytes(_nbytes(tensor), self.size)
+        return work
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` stacked along a new first dimension, in group-rank order."""
         out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)

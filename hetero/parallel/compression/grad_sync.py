@@ -45,6 +45,15 @@ class CompressedGradSync:
     def bytes_sent(self) -> int:
         return self.comm.bytes_sent
 
+    def arm(self) -> None:
+        pass  # compresses whole buckets after the backward (its codecs need every gradient)
+
+    def flush(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass  # nothing in flight
+
     def sync(self) -> None:
         named = [(name, g) for name, g in ((n, local_grad(p)) for n, p in self.params.items()) if g is not None]
         for index, bucket in enumerate(bucketed(named, self.bucket_bytes)):

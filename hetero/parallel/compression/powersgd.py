@@ -50,6 +50,15 @@ class PowerSGDGradSync:
         m, n = grad.shape[0], grad[0].numel()
         return (m + n) * self.rank < m * n
 
+    def arm(self) -> None:
+        pass  # compresses whole buckets after the backward (its codecs need every gradient)
+
+    def flush(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass  # nothing in flight
+
     def sync(self) -> None:
         grads = {n: g for n, g in ((n, local_grad(p)) for n, p in self.params.items()) if g is not None}
         matrices = {n: g for n, g in grads.items() if self.compressible(g)}

@@ -15,7 +15,7 @@ from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, load_weights, module
 from hetero.testing.multiprocess import run_ranks
-from hetero.testing.parity import Record, check_parity, record_reference, record_run
+from hetero.testing.parity import Record, check_bf16_parity, check_parity, record_reference, record_run
 
 BATCH, LENGTH, STEPS, LR = 4, 96, 3, 3e-3
 
@@ -47,14 +47,14 @@ def build(stages: int) -> GeneZip:
     return model
 
 
-def reference(stages: int) -> Record:
+def reference(stages: int, precision: str = "fp32") -> Record:
     model = build(stages)
 
     def losses(batch, step):
         terms = genezip_loss(model.config, model(batch["dna"]), batch["dna"], batch["dna_regions"])
         return [terms.total(model.config).sum() / BATCH, terms.prediction.sum() / BATCH, terms.ratio.sum() / BATCH]
 
-    return record_reference({"dna": model}, {"dna": OptimizerConfig(lr=LR)}, batches(), losses)
+    return record_reference({"dna": model}, {"dna": OptimizerConfig(lr=LR)}, batches(), losses, precision=precision)
 
 
 def run(rank, world_size, layout, options, stages):
@@ -76,3 +76,9 @@ def test_genezip_parity(layout, options, stages):
     results = run_ranks(run, world, layout, options, stages, timeout_s=240)
     what = f"genezip parity {layout} fsdp={options.fsdp} checkpointing={options.activation_checkpointing} stages={stages}"
     print("\n" + check_parity(results, reference(stages), what))
+
+
+def test_genezip_bf16_parity():
+    """tp2 under bf16 autocast against one process under the same autocast (``check_bf16_parity``)."""
+    results = run_ranks(run, 2, {"tp": 2}, ParallelOptions(precision="bf16"), 1, timeout_s=240)
+    print("\n" + check_bf16_parity(results, reference(1, "bf16"), reference(1), "genezip bf16 tp2"))

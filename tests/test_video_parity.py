@@ -16,7 +16,7 @@ from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
-from hetero.testing.parity import Record, check_parity, record_reference, record_run
+from hetero.testing.parity import Record, check_bf16_parity, check_parity, record_reference, record_run
 from test_video_generator import clip_frames
 
 BATCH, STEPS, LR, SEED = 4, 3, 3e-3, 5
@@ -35,7 +35,7 @@ def batches() -> list[dict[str, torch.Tensor]]:
             for s in range(STEPS)]
 
 
-def reference(memory: str) -> Record:
+def reference(memory: str, precision: str = "fp32") -> Record:
     torch.manual_seed(SEED)
     model = VideoModule(config(memory))
 
@@ -43,7 +43,8 @@ def reference(memory: str) -> Record:
         total, parts = clip_losses(model, config(memory), batch["clips"], batch["index"].tolist(), None, SEED, step)
         return [total / BATCH] + [parts[k] / BATCH for k in sorted(parts)]
 
-    return record_reference({"video": model}, {"video": OptimizerConfig(lr=LR)}, batches(), losses)
+    return record_reference({"video": model}, {"video": OptimizerConfig(lr=LR)}, batches(), losses,
+                            precision=precision)
 
 
 def run(rank, world_size, layout, options, memory):
@@ -63,3 +64,10 @@ def test_video_generator_parity(layout, options, memory):
     world = layout.get("tp", 1) * layout.get("dp", 1)
     results = run_ranks(run, world, layout, options, memory, timeout_s=240)
     print("\n" + check_parity(results, reference(memory), f"video parity {layout} {memory}"))
+
+
+def test_video_generator_bf16_parity():
+    """tp2 under bf16 autocast against one process under the same autocast (``check_bf16_parity``)."""
+    results = run_ranks(run, 2, {"tp": 2}, ParallelOptions(precision="bf16"), "slow_fast", timeout_s=240)
+    print("\n" + check_bf16_parity(results, reference("slow_fast", "bf16"), reference("slow_fast"),
+                                   "video bf16 tp2 slow_fast"))

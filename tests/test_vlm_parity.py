@@ -20,7 +20,7 @@ from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
-from hetero.testing.parity import Record, check_parity, record_reference, record_run
+from hetero.testing.parity import check_bf16_parity, Record, check_parity, record_reference, record_run
 from hetero.testing.references import IMAGE_TOKEN, VisionLanguageModel
 
 from edge_traffic import check_edge_bytes
@@ -46,7 +46,7 @@ def batches(global_batch):
     return out
 
 
-def reference(global_batch, model=None, data=None, before_step=None) -> Record:
+def reference(global_batch, model=None, data=None, before_step=None, precision="fp32", steps=STEPS) -> Record:
     """Losses and pre-clip gradient norms of every step and the (clipped) gradients of the first;
     ``model``, ``data`` and a hook called with the step number before each step let other tests run
     variants (by default the plain VLM and batches)."""
@@ -57,7 +57,8 @@ def reference(global_batch, model=None, data=None, before_step=None) -> Record:
         return [token_loss_sum(model(batch["images"], batch["tokens"]), batch["labels"]) / supervised]
 
     modules = {"vision": model.vision, "llm": model.llm}
-    return record_reference(modules, OPTIM, data if data is not None else batches(global_batch), loss, CLIP, before_step)
+    data = data if data is not None else batches(global_batch)[:steps]
+    return record_reference(modules, OPTIM, data, loss, CLIP, before_step, precision)
 
 
 def vlm_experiment(world_size, layouts, global_batch, microbatches, options=None):
@@ -107,14 +108,19 @@ def test_vlm_parity(case):
     print("  edge bytes: " + check_edge_bytes(results, config, batches(global_batch)[0], microbatches))
 
 
-def test_bf16_in_both_modules_stays_close_to_fp32():
-    """bf16 compute (autocast) with fp32 master weights in the vision encoder and the LLM, colocated on 2
-    ranks: 3 steps complete, each loss within 2e-2 of the fp32 reference and not equal to it (the
-    computation did change)."""
-    bf16 = ParallelOptions(precision="bf16")
-    layouts = {"vision": {"dp": 2}, "llm": {"tp": 2}}
+BF16_CASES = {
+    "colocated vision dp2, llm tp2": ({"vision": {"dp": 2}, "llm": {"tp": 2}}, {}),
+    "colocated vision dp2, llm dp2, both fsdp": ({"vision": {"dp": 2}, "llm": {"dp": 2}}, {"fsdp": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(BF16_CASES))
+def test_bf16_parity_in_both_modules(case):
+    """bf16 compute (autocast) with fp32 master weights in the vision encoder and the LLM on 2 ranks, 3
+    steps, against one process under the same autocast (``check_bf16_parity``)."""
+    layouts, extra = BF16_CASES[case]
+    bf16 = ParallelOptions(precision="bf16", **extra)
     results = run_ranks(train, 2, layouts, 8, 2, {"vision": bf16, "llm": bf16}, 3, timeout_s=300)
-    expected = reference(8)
-    differences = [abs(got[0] - want[0]) for got, want in zip(results[0].losses, expected.losses)]
-    print(f"\nvlm bf16: largest loss difference from fp32 {max(differences):.1e}")
-    assert len(differences) == 3 and 0 < max(differences) <= 2e-2
+    summary = check_bf16_parity(results, reference(8, precision="bf16", steps=3), reference(8, steps=3),
+                                f"vlm bf16 {case}")
+    print("\n" + summary)

@@ -31,4 +31,4 @@ def wrap_blocks(model: nn.Module, blocks: nn.ModuleDict, mesh: ModuleMesh, optio
         for name in list(blocks):
             blocks[name] = checkpoint_wrapper(blocks[name])
     if options.fsdp:
-        apply_fsdp(model, blocks.values(), mesh)
+        apply_fsdp(model, blocks.values(), mesh, options)

@@ -30,5 +30,5 @@ def parallelize_genezip(model: GeneZip, mesh: ModuleMesh, options: ParallelOptio
             for name in list(layers):
                 layers[name] = checkpoint_wrapper(layers[name])
     if options.fsdp:
-        apply_fsdp(model, [block for layers in stacks for block in layers.values()], mesh)
+        apply_fsdp(model, [block for layers in stacks for block in layers.values()], mesh, options)
     return model

@@ -253,9 +253,9 @@ def layout(ranks, tp=1, cp=1, dp=1, pp=1) -> Layout:
 
 
 def rank0_to_rank1(name: str, ndim: int, **options) -> Boundary:
-    """A boundary from rank 0 to rank 1 with the failure tests' short timeout."""
-    return Boundary(name, Side(layout([0])), Side(layout([1])), TensorSpec(ndim=ndim), timeout_s=FAIL_TIMEOUT_S,
-                    **options)
+    """A boundary from rank 0 to rank 1, by default with the failure tests' short timeout."""
+    return Boundary(name, Side(layout([0])), Side(layout([1])), TensorSpec(ndim=ndim),
+                    **({"timeout_s": FAIL_TIMEOUT_S} | options))
 
 
 def spec(ndim=3, dtype=FLOAT, **sides) -> TensorSpec:

@@ -165,3 +165,9 @@ def test_gpu_peaks_are_looked_up_by_the_name_cuda_reports():
              "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.0, "NVIDIA H200 NVL": 835.0,
              "NVIDIA B200": 2250.0, "Tesla T4": None}
     assert {name: dense_bf16_peak_tflops(name) for name in names} == names
+    from hetero.bench.device_peaks import hbm_bandwidth_gbs
+
+    bandwidths = {"NVIDIA A100-SXM4-80GB": 2039.0, "NVIDIA A100 80GB PCIe": 1935.0, "NVIDIA A100-SXM4-40GB": 1555.0,
+                  "NVIDIA H100 80GB HBM3": 3350.0, "NVIDIA H100 PCIe": 2000.0, "NVIDIA H100 NVL": 3900.0,
+                  "NVIDIA H200": 4800.0, "NVIDIA B200": 8000.0, "Tesla T4": None}
+    assert {name: hbm_bandwidth_gbs(name) for name in bandwidths} == bandwidths

@@ -56,3 +56,25 @@ def test_steps_create_nothing_on_the_default_device():
     for rank_results in run_ranks(both_ways, 2, timeout_s=300):
         for plain, meta in rank_results:
             assert plain == meta
+
+
+def fused_and_not(rank, world_size):
+    """The full graph's first case (TP's DTensor parameters, FSDP2's sharded ones, plain ones) stepped by
+    the fused AdamW the runtime picks on CUDA (it runs on the CPU too) and by the default one."""
+    from hetero.runtime.module import build_adamw
+
+    config, data = next(graphs())
+    out = []
+    for fused in (False, True):
+        runtime = build_runtime(config)
+        for state in runtime.modules.values():
+            state.optimizer = build_adamw(state.model, state.node.settings.optim, fused=fused)
+        out.append([runtime.train_step(batch)["loss"] for batch in data[:3]])
+    return out
+
+
+def test_fused_adamw_steps_every_kind_of_parameter_alike():
+    for plain, fused in run_ranks(fused_and_not, 2, timeout_s=300):
+        assert plain[0] == fused[0]  # the first loss comes before any update
+        for a, b in zip(plain[1:], fused[1:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (plain, fused)

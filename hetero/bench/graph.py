@@ -1,6 +1,7 @@
 """The four-module graph under its mixed and its colocated placement, side by side in one run.
 
     hetero bench graph [--steps 5] [--warmup 2] [--json]
+    torchrun --nproc_per_node 8 -m hetero.bench.graph [...]     (one launched job of 8 ranks, NCCL on GPUs)
 
 Each placement (``full_graph``: encoders on ranks 0-1, LLM tp2·pp2 on 2-5, generator dp2 on 6-7;
 ``full_graph_colocated``: every module on all 8 ranks) trains the same models on the same batches for
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from hetero.bench.throughput import absolute_paths
 from hetero.config import ExperimentConfig, load_experiment
 from hetero.graph import build_graph
-from hetero.testing.multiprocess import run_ranks
+from hetero.bench.ranks import each_rank
 
 PLACEMENTS = ("full_graph", "full_graph_colocated")
 
@@ -57,12 +58,15 @@ def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int
     }
 
 
-def run(steps: int, warmup: int, overrides: list[str]) -> dict[str, dict[str, Any]]:
+def run(steps: int, warmup: int, overrides: list[str]) -> dict[str, dict[str, Any]] | None:
+    """Both placements' figures (None on a torchrun rank other than 0)."""
     results = {}
     for name in PLACEMENTS:
         experiment = absolute_paths(load_experiment(name, overrides))
         placement = build_graph(experiment).placement
-        per_rank = run_ranks(measure, placement.world_size, experiment, steps, warmup, timeout_s=900)
+        per_rank = each_rank(measure, experiment, steps, warmup)
+        if per_rank is None:
+            continue
         results[name] = {
             "ranks": placement.world_size,
             "layouts": {m: f"tp{l.tp}·pp{l.pp}·dp{l.dp} ranks {l.describe_ranks()}" for m, l in placement.layouts.items()},
@@ -70,7 +74,7 @@ def run(steps: int, warmup: int, overrides: list[str]) -> dict[str, dict[str, An
             "module_s": per_rank[0]["module_s"],
             "bytes": per_rank[0]["bytes"],
         }
-    return results
+    return results or None
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both placements, e.g. train.data_dir=...")
     args = parser.parse_args(argv)
     results = run(args.steps, args.warmup, args.overrides)
+    if results is None:
+        return
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -29,9 +29,9 @@ description. With ``exchange_shapes=True`` destination ranks that are not also s
 (one extra round on those ranks). Source ranks always pass the shape: their shard alone is ambiguous
 when a batch splits unevenly. Pairing checks and errors are ``boundary_wire``'s.
 
-Asynchronous sends. With ``async_sends=True`` a rank that only sends in a call's crossing round (a
-source-only rank in forward, a destination-only rank in backward) posts the crossing's payloads and
-headers and returns; the handles and buffers stay with the boundary until ``wait_sends()``, which the
+Asynchronous sends. With ``async_sends=True`` a rank that only sends payloads in a call's crossing (a
+source-only rank in forward, a destination-only rank in backward) posts its headers, the receives of its
+peers' headers and its payloads, and returns; the handles and buffers stay with the boundary until ``wait_sends()``, which the
 caller makes once per step and which raises any failed send as a ``BoundaryError``. Receives still
 block. This lets the two sides call in different orders, as the stages of a 1F1B pipeline do (the
 source runs F0 F1 B0 F2 .., the destination F0 B0 F1 B1 ..): with waited sends a source sending F1 while
@@ -103,7 +103,7 @@ class Boundary:
     """Moves tensors from the source layout to the destination layout and gradients back.
 
     Construct it on every rank of the world, in the same order as every other boundary and group: it
-    creates its process group there. ``tensors`` is one ``TensorSpec`` or a dict of them. With
+    creates its process groups there (one per direction). ``tensors`` is one ``TensorSpec`` or a dict of them. With
     ``async_sends=True`` send-only crossings return before delivery: call ``wait_sends()`` once a step.
     """
 
@@ -142,7 +142,7 @@ class Boundary:
         self.is_destination = self.rank in self.destinations
         self.digest = message_tag(repr((name, self.source, self.destination, list(self.specs.items()), exchange_shapes)))
         self.wire = Wire(
-            name, self.digest, self._link_group(group, timeout_s), self.specs,
+            name, self.digest, self._link_groups(group, timeout_s), self.specs,
             self.source.layout.dp + self.destination.layout.dp, self.device, timeout_s, self._role,
         )
         self.wire.open()
@@ -150,19 +150,25 @@ class Boundary:
         self._plan_cache_size = plan_cache_size
         self._calls = dict.fromkeys(DIRECTIONS, 0)
 
-    def _link_group(self, group: dist.ProcessGroup | None, timeout_s: float) -> dist.ProcessGroup:
-        """The group every message of this boundary travels on: given (shared), or built here."""
+    def _link_groups(self, group: dist.ProcessGroup | None, timeout_s: float) -> dict[str, dist.ProcessGroup]:
+        """The groups this boundary's forward and backward messages travel on: two built here, or one
+        given (shared), which then carries both."""
         members = sorted(set(self.source.layout.ranks) | set(self.destination.layout.ranks))
         if group is None:
             # Built on every rank, member or not: a group created on only some ranks hangs the others.
-            return dist.new_group(members, timeout=timedelta(seconds=timeout_s))
+            return {d: dist.new_group(members, timeout=timedelta(seconds=timeout_s)) for d in DIRECTIONS}
         missing = sorted(set(members) - set(dist.get_process_group_ranks(group))) if self.rank in members else []
         if missing:
             raise ConfigError(
                 f"boundary {self.name!r}: the group passed lacks ranks {missing} of its modules; pass a "
                 f"group holding ranks {members} (or none, and the boundary builds one)"
             )
-        return group
+        if self.async_sends:
+            raise ConfigError(
+                f"boundary {self.name!r}: async_sends lets the two sides interleave forward and backward calls "
+                f"differently, which needs a group per direction; pass no group (the boundary builds them)"
+            )
+        return dict.fromkeys(DIRECTIONS, group)
 
     # ----------------------------------------------------------------------------------- public API
 
@@ -264,10 +270,13 @@ class Boundary:
             self._check_tensors(xs, plan, plan.src_shapes, "source", "x")
         tag = self._payload_tag("forward", call, plan)
         header = self._header("forward", call, plan)
-        header_to, header_from = set(plan.cross_out), set(plan.cross_in)
+        peers = set(plan.cross_out) | set(plan.cross_in)  # headers go both ways on every crossing link
+        header_to, header_from = set(peers), set(peers)
         if self.exchange_shapes and self.is_source:
             header_to |= self._listeners_of(self.rank)
+            header_from |= self._listeners_of(self.rank)
         if learns_shapes:
+            header_to.add(self._partner())
             header_from.discard(self._partner())  # its headers already came with the shapes
         pieces = {p.index: self._empty(p.numel, p.key) for p in plan.received}
         arriving = self.wire.crossing(
@@ -326,7 +335,8 @@ class Boundary:
         # Round 2, across: receivers send their sums back to the senders of their segments.
         arriving = self.wire.crossing(
             "backward", call, tag, plan.cross_in, plan.cross_out, OwnRange(reduced, self.rank),
-            self._header("backward", call, plan), set(plan.cross_in), set(plan.cross_out), defer=self.async_sends,
+            self._header("backward", call, plan), set(plan.cross_in) | set(plan.cross_out),
+            set(plan.cross_in) | set(plan.cross_out), defer=self.async_sends,
         )
         for peer, entries in plan.cross_out.items():
             unpack(arriving[peer], entries, accumulate)

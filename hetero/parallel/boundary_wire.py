@@ -1,15 +1,15 @@
 """A boundary's messages on the wire: batched point-to-point rounds, pairing headers, errors, counters.
 
-Every call sends, on each crossing link, a call header (magic, the boundary's digest and name, direction,
-per-direction call number: the same length for every boundary) and a shape header (dtype and global shape
-per tensor, then the rows each side's DP replicas hold). The receiver checks them before anything else
-and raises ``BoundaryError`` naming the boundary, both ranks and the difference: another shape, a skipped
-call, a forward meeting a backward, or, on a shared group, a call to another boundary (on separate groups
-that one shows up as the timeout). Payloads travel on a tag derived from the call's signature, posted
-alongside the headers, so a mismatched call can never deliver a message of the wrong size (which gloo
-answers by aborting the process, measured). A dead peer or a missing call raises within the group's
-timeout (gloo honours it for send and receive). NCCL ignores tags and completes a batch as a whole, so
-there a mismatched call surfaces as NCCL's own error or the timeout.
+Every call sends, both ways on each crossing link, a call header (magic, the boundary's digest and name,
+direction, per-direction call number: the same length for every boundary) and a shape header (dtype and
+global shape per tensor, then the rows each side's DP replicas hold), in a batch of their own. Each side
+checks what it got before it posts a payload and raises ``BoundaryError`` naming the boundary, both ranks
+and the difference: another shape, a skipped call, a forward meeting a backward, or, on a shared group, a
+call to another boundary (on separate groups that one shows up as the timeout). So both ends of a
+mismatched call fail at once, and no payload of the wrong size is ever posted (gloo answers one by
+aborting the process, measured; NCCL, which ignores tags and completes a batch as a whole, would hang).
+Payloads also travel on a tag derived from the call's signature. A dead peer or a missing call raises
+within the group's timeout (gloo honours it for send and receive).
 
 A piece's elements (``boundary_plan.Piece``: blocks, each a dense sub-box of both sides' local tensors)
 travel flattened block after block, row-major: the canonical order both sides derive alike; senders
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import time
+from datetime import timedelta
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Sequence
@@ -64,14 +65,16 @@ class Message:
 
 
 @dataclass
-class PostedSends:
-    """A round of sends posted and not yet waited: its messages keep their buffers alive."""
+class PostedRound:
+    """A round posted and not yet waited: its messages keep their buffers alive."""
 
     direction: Direction
     call: int
     started: float
     messages: list[Message]
+    receives: list[bool]  # per message: a receive (else a send)
     works: list[dist.Work]
+    on_header: Callable[[Message], None] | None
 
 
 @dataclass
@@ -97,18 +100,21 @@ class Wire:
         self,
         name: str,
         digest: int,
-        group: dist.ProcessGroup,
+        groups: Mapping[Direction, dist.ProcessGroup],
         specs: Mapping[str, TensorSpec],
         row_words: int,
         device: torch.device,
         timeout_s: float,
         role: Callable[[int], str],
     ) -> None:
-        """``row_words``: how many int64 words the DP rows of both sides take in the shape header."""
-        self.name, self.digest, self.group, self.specs = name, digest, group, dict(specs)
+        """``groups``: the group each direction's messages travel on (two groups let the two sides make
+        their forward and backward calls in different orders, as a pipeline's stages do, while each
+        link's messages stay in order per group, as NCCL pairs them). ``row_words``: how many int64
+        words the DP rows of both sides take in the shape header."""
+        self.name, self.digest, self.groups, self.specs = name, digest, dict(groups), dict(specs)
         self.row_words, self.device, self.timeout_s, self.role = row_words, device, timeout_s, role
         self.rank = dist.get_rank()
-        self.posted: list[PostedSends] = []
+        self.posted: list[PostedRound] = []
         self.counters: dict[str, int] = {}
         self.reset_counters()
 
@@ -116,18 +122,20 @@ class Wire:
         self.counters = {f"{d}.{kind}": 0 for d in DIRECTIONS for kind in COUNTER_KINDS}
 
     def open(self) -> None:
-        """Every member of the link group passes one word to the next in one batch (call it on every
+        """Every member of each link group passes one word to the next in one batch (call it on every
         member): NCCL needs a group's first batched P2P to include every member, and a boundary's own
         calls may involve only some of them."""
-        members = dist.get_process_group_ranks(self.group)
-        if self.rank not in members or len(members) == 1:
-            return
-        i, n = members.index(self.rank), len(members)
-        token, arrived = torch.zeros(1, dtype=torch.int64, device=self.device), torch.empty(1, dtype=torch.int64, device=self.device)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, token, members[(i + 1) % n], self.group, tag=OPEN_TAG),
-                                        dist.P2POp(dist.irecv, arrived, members[(i - 1) % n], self.group, tag=OPEN_TAG)])
-        for work in works:
-            work.wait()
+        for group in {id(g): g for g in self.groups.values()}.values():
+            members = dist.get_process_group_ranks(group)
+            if self.rank not in members or len(members) == 1:
+                continue
+            i, n = members.index(self.rank), len(members)
+            token = torch.zeros(1, dtype=torch.int64, device=self.device)
+            arrived = torch.empty(1, dtype=torch.int64, device=self.device)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, token, members[(i + 1) % n], group, tag=OPEN_TAG),
+                                            dist.P2POp(dist.irecv, arrived, members[(i - 1) % n], group, tag=OPEN_TAG)])
+            for work in works:
+                work.wait()
 
     def count(self, direction: Direction, kind: str, amount: int) -> None:
         self.counters[f"{direction}.{kind}"] += amount
@@ -147,19 +155,25 @@ class Wire:
         header_from: set[int],
         defer: bool,
     ) -> dict[int, torch.Tensor]:
-        """The round across the boundary, with the pairing headers on its links; returns what arrived.
+        """The round across the boundary after its pairing headers; returns what arrived.
 
-        Payload receives are posted together with the header receives, not after the check: their tag
-        encodes the call's signature, so only a matching call's payload can land in them. With ``defer``
-        a rank that only sends here leaves its sends to ``wait_sends``."""
-        arriving = {peer: self.buffer(entries) for peer, entries in into.items()}
-        # Headers before payloads on both sides: NCCL pairs a link's messages by order, not by tag.
+        Headers go both ways on every link (``header_to`` and ``header_from`` hold each payload peer in
+        either direction), in a batch of their own that each side waits for and checks before it posts
+        a payload: both ends of a mismatched call raise, neither leaves a payload the other will never
+        take, and NCCL (which pairs a link's messages by order and completes a batch as one) never meets
+        two payloads of different sizes. With ``defer`` a rank that only sends payloads posts both
+        batches and returns; ``wait_sends`` checks the headers that came back, then waits the payloads.
+        Payload tags still encode the call's signature, for gloo."""
         sends = [m for peer in sorted(header_to) for m in self.header_messages(peer, header)]
-        sends += [Message(peer, pack(entries, values), "cross", tag) for peer, entries in out.items()]
         headers = {peer: self.empty_header() for peer in sorted(header_from)}
         recvs = [m for peer, h in headers.items() for m in self.header_messages(peer, h)]
-        recvs += [Message(peer, buffer, "cross", tag) for peer, buffer in arriving.items()]
-        self.round(direction, call, sends, recvs, lambda m: self.check_header(m, headers[m.peer], header), defer)
+        check = lambda m: self.check_header(m, headers[m.peer], header)  # noqa: E731
+        send_only = defer and not into
+        self.round(direction, call, sends, recvs, check, defer=send_only)
+        arriving = {peer: self.buffer(entries) for peer, entries in into.items()}
+        payloads = [Message(peer, pack(entries, values), "cross", tag) for peer, entries in out.items()]
+        incoming = [Message(peer, buffer, "cross", tag) for peer, buffer in arriving.items()]
+        self.round(direction, call, payloads, incoming, defer=send_only)
         return arriving
 
     def exchange(
@@ -190,32 +204,55 @@ class Wire:
         defer: bool = False,
     ) -> None:
         """Post one round's messages as one batch; each header received goes to ``on_header`` first.
-        With ``defer``, a round that only sends returns once posted; ``wait_sends`` waits for it."""
+        With ``defer`` the round returns once posted; ``wait_sends`` waits for it (and checks its headers)."""
         if not sends and not recvs:
             return
-        ops = [self._op(dist.isend, m) for m in sends] + [self._op(dist.irecv, m) for m in recvs]
+        group = self.groups[direction]
+        ops = [dist.P2POp(dist.isend, m.buffer, m.peer, group, tag=m.tag) for m in sends]
+        ops += [dist.P2POp(dist.irecv, m.buffer, m.peer, group, tag=m.tag) for m in recvs]
         works = dist.batch_isend_irecv(ops)
         self.count(direction, "rounds", 1)
         started = time.monotonic()
-        if defer and not recvs:
-            self.posted.append(PostedSends(direction, call, started, sends, works))
+        posted = PostedRound(direction, call, started, sends + recvs, [False] * len(sends) + [True] * len(recvs),
+                             works, on_header)
+        if defer:
+            self.posted.append(posted)
         else:
-            posted = list(zip(sends + recvs, [False] * len(sends) + [True] * len(recvs), works))
-            # Call headers first, then shape headers, then the rest: the most telling mismatch is raised.
-            for message, is_recv, work in sorted(posted, key=lambda item: _wait_order(*item[:2])):
-                self.wait(work, message, is_recv, direction, call, started)
-                if is_recv and message.kind == "header" and on_header is not None:
-                    on_header(message)
+            self._wait_round(posted)
         for messages, side in ((sends, "sent"), (recvs, "recv")):
             for message in messages:
                 self.count(direction, f"{message.kind}_{side}_bytes", message.buffer.numel() * message.buffer.element_size())
 
+    def _wait_round(self, posted: PostedRound) -> None:
+        # Call headers first, then shape headers, then the rest: the most telling mismatch is raised.
+        # (On NCCL one work stands for the whole batch: waiting it waits them all.)
+        items = sorted(zip(posted.messages, posted.receives, posted.works), key=lambda item: _wait_order(*item[:2]))
+        for message, is_recv, work in items:
+            self.wait(work, message, is_recv, posted.direction, posted.call, posted.started)
+            if is_recv and message.kind == "header" and posted.on_header is not None:
+                try:
+                    posted.on_header(message)
+                except BoundaryError:
+                    self._deliver_sends(posted)  # so that the peer gets this rank's headers and fails too
+                    raise
+
+    def _deliver_sends(self, posted: PostedRound) -> None:
+        """Let a round's header sends arrive before raising: on gloo a dropped send is cancelled, and the
+        peer would wait out the timeout instead of reading why this rank gave up. A peer in the same call
+        takes the call header; its shape header is waited for only briefly (a peer in another boundary's
+        call posts its receive under another tag and never takes it)."""
+        for message, is_recv, work in zip(posted.messages, posted.receives, posted.works):
+            if not is_recv:
+                try:
+                    work.wait() if message.tag == HEADER_TAG else work.wait(timedelta(seconds=1))
+                except RuntimeError:
+                    pass  # the error being raised says more than a failed send
+
     def wait_sends(self) -> None:
-        """Wait for every deferred send, oldest first; a failed one raises ``BoundaryError``."""
+        """Wait for every deferred round, oldest first; a failed one, or a header that came back from
+        another call, raises ``BoundaryError``."""
         while self.posted:
-            posted = self.posted.pop(0)
-            for message, work in zip(posted.messages, posted.works):
-                self.wait(work, message, False, posted.direction, posted.call, posted.started)
+            self._wait_round(self.posted.pop(0))
 
     def wait(self, work: dist.Work, message: Message, is_recv: bool, direction: Direction, call: int,
              started: float) -> None:
@@ -235,9 +272,6 @@ class Wire:
     def buffer(self, entries: list[Entry]) -> torch.Tensor:
         nbytes = sum((e.stop - e.start) * e.piece.dtype.itemsize for e in entries)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def _op(self, op: Callable, message: Message) -> dist.P2POp:
-        return dist.P2POp(op, message.buffer, message.peer, self.group, tag=message.tag)
 
     # ---------------------------------------------------------------------------------- headers
 

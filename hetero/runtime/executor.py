@@ -22,8 +22,6 @@ Build every edge on every rank, in the graph's edge order.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections import defaultdict
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -36,7 +34,7 @@ from hetero.parallel.boundary import Boundary, Rows, Side, TensorSpec, Transfer
 from hetero.parallel.sharding import sequence_spans
 from hetero.parallel.compressed_boundary import CompressedBoundary
 from hetero.parallel.layout import Layout
-from hetero.runtime.rows import StepRows
+from hetero.runtime.rows import StepRows, to_device
 from hetero.runtime.schedule import Action
 
 if TYPE_CHECKING:
@@ -74,12 +72,6 @@ class Executor:
     def _skips(self, name: str, local: torch.Tensor) -> bool:
         return len(local) == 0 and not self.graph.nodes[name].options.fsdp
 
-    @contextlib.contextmanager
-    def _timed(self, name: str):
-        tick = time.perf_counter()
-        yield
-        self.runtime.module_seconds[name] += time.perf_counter() - tick
-
     # ------------------------------------------------------------------------------------ modules
 
     def forward(self, name: str, m: int) -> None:
@@ -95,17 +87,18 @@ class Executor:
             raise KeyError(f"{name} ({node.kind.name}) reads batch columns {missing}, which this batch lacks "
                            f"(it has {', '.join(self.batch)})")
         host = {k: self.batch[k][local] for k in keys}
+        data = {k: to_device(v, module.device) for k, v in host.items()}
         received = None
         if not mesh.is_first_stage:
             received = self.prefetched.pop((name, m), None)
             if received is None:
                 received = self.runtime.links[name].recv_activation(m, self._stage_shape(name, local))
             received = received.detach().requires_grad_(self.training)
-        step = StageStep(node.config, mesh, node.options, module.device, {k: v.to(module.device) for k, v in host.items()},
+        step = StageStep(node.config, mesh, node.options, module.device, data,
                          host, local, self.arrivals.pop((name, m), []) if mesh.is_first_stage else [], received,
                          self.training, self.step, self.runtime.seed)
         bf16 = node.options.precision == "bf16"
-        with self._timed(name), node.kind.compute(mesh), torch.set_grad_enabled(self.training), \
+        with self.runtime.timer.timed(name), node.kind.compute(mesh), torch.set_grad_enabled(self.training), \
                 torch.autocast(module.device.type, dtype=torch.bfloat16, enabled=bf16):
             result = node.kind.stage(module.model, step)
         if self.training:
@@ -134,7 +127,7 @@ class Executor:
         received, result = self.saved.pop((name, m))
         if final:
             module.replica_sync.final_backward_begins()  # the DP all-reduce starts from its gradient hooks
-        with self._timed(name), node.kind.compute(mesh):
+        with self.runtime.timer.timed(name), node.kind.compute(mesh):
             if mesh.is_last_stage:
                 tensors, grads = [], []
                 if result.loss is not None and node.kind.has_loss(node.config):

@@ -16,10 +16,16 @@ from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.replica_sync import ReplicaSync
 
 
-def build_adamw(model: nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
+def build_adamw(model: nn.Module, config: OptimizerConfig, fused: bool = False) -> torch.optim.AdamW:
+    """``fused``: one kernel for every parameter's update (the runtime's choice on CUDA; on the CPU the
+    default multi-tensor update keeps the numbers the references are measured against). DTensor and plain
+    parameters (TP's sharded weights beside replicated ones) go in groups of their own: a fused update
+    cannot take both in one call."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if isinstance(p, DTensor) == sharded]} for sharded in (True, False)]
     return torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay,
-        eps=config.eps,
+        [group for group in groups if group["params"]], lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay,
+        eps=config.eps, fused=fused or None,
     )
 
 
@@ -32,8 +38,10 @@ class ModuleState:
         self.node, self.name, self.mesh, self.seed, self.device = node, node.name, mesh, seed, device
         self.outer_comm = outer_comm
         torch.manual_seed(seed + node.index)  # every rank builds the whole model, then keeps its part
-        self.model = node.kind.parallelize(node.kind.build(node.config).to(device), mesh, node.options)
-        self.optimizer = build_adamw(self.model, node.settings.optim)
+        with torch.device(device):  # on a GPU built there: no host-side init and copy of every weight
+            built = node.kind.build(node.config).to(device)  # .to: anything a kind placed explicitly
+        self.model = node.kind.parallelize(built, mesh, node.options)
+        self.optimizer = build_adamw(self.model, node.settings.optim, fused=device.type == "cuda")
         self.replica_sync = self._replica_sync()
 
     def _replica_sync(self) -> ReplicaSync:

@@ -76,3 +76,10 @@ class StepRows:
 
             self._memo[key] = Rows(counts(edge.src), counts(edge.dst))
         return self._memo[key]
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch tensor on ``device``: to a GPU through pinned memory, without waiting for the copy."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

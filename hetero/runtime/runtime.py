@@ -30,6 +30,7 @@ from hetero.runtime.links import StageLinks
 from hetero.runtime.module import ModuleState
 from hetero.runtime.rows import StepRows
 from hetero.runtime.schedule import check_schedule
+from hetero.runtime.timing import ModuleTimer
 
 
 class Runtime:
@@ -64,7 +65,7 @@ class Runtime:
         self.final_backward = {a.target: a.microbatch for a in self.actions[True] if a.op == "B"}
         self.step = 0
         self.nonfinite: dict[str, list[int]] = {}  # the last step's, when it was skipped
-        self.module_seconds = dict.fromkeys(graph.nodes, 0.0)  # this rank's compute time per module
+        self.timer = ModuleTimer(graph.nodes, self.device)  # this rank's compute time per module
 
     # ----------------------------------------------------------------------------------- a step
 

@@ -47,6 +47,7 @@ from hetero.train.checkpoint_files import (
 
 class Checkpointable(Protocol):
     step: int
+    device: torch.device
 
     def checkpoint_modules(self) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
         """The modules this rank holds: each one's model and optimizer."""
@@ -219,7 +220,7 @@ class Checkpointer:
                 options=_OPTIONS,
             )
         if same_local:
-            local = load_local(path / "local" / f"rank{dist.get_rank()}.pt")
+            local = load_local(path / "local" / f"rank{dist.get_rank()}.pt", runtime.device)
             torch.set_rng_state(local.pop("rng"))
             runtime.load_local_state(local)
         else:

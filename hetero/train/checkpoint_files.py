@@ -178,12 +178,16 @@ def save_local(state: dict[str, Any], path: Path) -> None:
     torch.save(state, path)
 
 
-def load_local(path: Path) -> dict[str, Any]:
-    """Rank-local state, loaded with ``weights_only=True`` (tensors and plain containers only)."""
+def load_local(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Rank-local state, loaded with ``weights_only=True`` (tensors and plain containers only) onto ``device``
+    (the CPU RNG state stays on the CPU)."""
     try:
-        return torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location=device)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"{path} holds more than tensors and plain containers and was not loaded (it may carry code): "
             f"{str(err).splitlines()[0]}"
         ) from None
+    if "rng" in state:
+        state["rng"] = state["rng"].cpu()
+    return state

@@ -164,7 +164,8 @@ def communicator_bytes(runtime: Runtime) -> dict[str, int]:
 def module_seconds(runtime: Runtime) -> dict[str, float]:
     """Each module's compute seconds so far (its forwards and backwards), the largest over its ranks."""
     names = list(runtime.graph.nodes)
-    local = torch.tensor([runtime.module_seconds[n] for n in names], dtype=torch.float64, device=runtime.device)
+    seconds = runtime.timer.seconds()
+    local = torch.tensor([seconds[n] for n in names], dtype=torch.float64, device=runtime.device)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     return dict(zip(names, local.tolist()))
 

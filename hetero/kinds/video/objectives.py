@@ -115,7 +115,8 @@ def flow_matching_loss(
     for b, clip_memory in enumerate(memories):  # each clip has its own memory schedule
         scores = None
         if clip_memory.policy == "learned":
-            scores = torch.rand(count, count, generator=generator, device="cpu")  # the schedule is host-side
+            # drawn where the generator lives; the memory schedule itself is worked out on the host
+            scores = torch.rand(count, count, generator=generator, device=_device_of(generator, frames)).cpu()
         distances, _, _ = clip_attention(model, summaries[b], clip_memory, scores=scores)
         out = model(tokens[b : b + 1], distances.to(frames.device))[:, count * per_frame :]
         losses.append(F.mse_loss(out, target[b].reshape(1, -1, target.shape[-1])))
@@ -189,8 +190,8 @@ def rollout(
     out = [patches[t] for t in range(min(prompt, patches.shape[0]))]
     for t in range(patches.shape[0]):
         if t >= prompt:
-            noise = torch.randn((1, config.patches_per_frame, config.patch_dim), generator=generator, device="cpu")
-            noise = noise.to(frames.device)
+            noise = torch.randn((1, config.patches_per_frame, config.patch_dim), generator=generator,
+                                device=_device_of(generator, frames)).to(frames.device)
             out.append(cache.predict(noise)[0])
         cache.append(out[t][None])
     return unpatchify(torch.stack(out), config.patch_size, config.channels)
@@ -232,3 +233,7 @@ def next_frame_errors(
             x = euler_step(x, clean, i, steps)
         errors.append(((x - patches[b : b + 1, 1:]) ** 2).mean((-1, -2))[0])
     return torch.stack(errors)
+
+
+def _device_of(generator: torch.Generator | None, like: torch.Tensor) -> torch.device:
+    return like.device if generator is None else generator.device

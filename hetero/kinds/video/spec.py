@@ -34,9 +34,10 @@ class VideoModule(nn.Module):
         self.router = ImportanceRouter(config.hidden_size) if config.memory.policy == "learned" else None
 
 
-def clip_generator(seed: int, step: int, index: int) -> torch.Generator:
-    """The noise of sample ``index``'s clip at ``step``: a function of these alone."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_033 + index)
+def clip_generator(seed: int, step: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The noise of sample ``index``'s clip at ``step``: a function of these alone (and of the device the
+    generator lives on, the clip's: CUDA's generator draws other numbers than the CPU's)."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + step) * 1_000_033 + index)
 
 
 def clip_losses(model: VideoModule, config: VideoConfig, clips: torch.Tensor, indices: list[int],
@@ -49,7 +50,7 @@ def clip_losses(model: VideoModule, config: VideoConfig, clips: torch.Tensor, in
         parts |= {"distill": frames.new_zeros(()), "sparsity": frames.new_zeros(())}
     total = frames.new_zeros(())
     for k, index in enumerate(indices):
-        generator = clip_generator(seed, step, index)
+        generator = clip_generator(seed, step, index, clips.device)
         clip = frames[k : k + 1]
         cond = None if condition is None else condition[k : k + 1]
         flow = flow_matching_loss(model.generator, clip, memory, generator, cond)
@@ -110,7 +111,8 @@ def _next_frame_errors(model: VideoModule, config: VideoConfig, data, indices: l
     for k, index in enumerate(indices):
         cond = None if condition is None else condition[k : k + 1]
         errors.append(next_frame_errors(model.generator, to_model(data["clips"][k : k + 1]), config.memory, model.router,
-                                        clip_generator(seed, -1, index), start=0.5, condition=cond)[0] / 4)
+                                        clip_generator(seed, -1, index, data["clips"].device), start=0.5,
+                                        condition=cond)[0] / 4)
     errors = torch.stack(errors).double()
     revisit = data["revisit"][:, 1:]
     return {"revisit_mse": Metric(errors[revisit].sum(), revisit.sum().double()),

@@ -53,6 +53,7 @@ BENCHMARKS = {
     "graph": "hetero.bench.graph",
     "overhead": "hetero.bench.overhead",
     "plan-accuracy": "hetero.bench.plan_accuracy",
+    "schedules": "hetero.bench.schedules",
     "throughput": "hetero.bench.throughput",
     "video-memory": "hetero.bench.video_memory",
     "vlm": "hetero.bench.vlm",

@@ -77,7 +77,7 @@ CASES = {
         4, 2, "phased"),
     "each on its own ranks: vision (0), llm pp2 (1-2), captioner (3)": (
         {"vision": {"dp": 1}, "llm": {"pp": 2, "dp": 1, "offset": 1}, "captioner": {"dp": 1, "offset": 3}},
-        4, 4, "graph_pipeline"),
+        4, 4, "graph_1f1b"),
 }
 
 

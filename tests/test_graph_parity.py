@@ -80,7 +80,7 @@ EDGES = [("vision", "llm"), ("dna", "llm"), ("llm", "video")]
 WEIGHT_OF = {"vision": None, "llm": "text", "dna": "dna", "video": "video"}
 
 
-def graph_experiment(world_size, layouts, global_batch, microbatches, options):
+def graph_experiment(world_size, layouts, global_batch, microbatches, options, schedule="auto"):
     # Declared in SEED_OFFSETS' order: each module's weights come from seed + its index, as in the reference.
     modules = {}
     for name in SEED_OFFSETS:
@@ -88,18 +88,21 @@ def graph_experiment(world_size, layouts, global_batch, microbatches, options):
         weight = {"loss_weight": WEIGHTS[WEIGHT_OF[name]]} if WEIGHT_OF[name] else {}
         modules[name] = module(kind, config, layouts[name], OPTIM[name], options.get(name), **weight)
     return experiment(world_size, modules, edges=EDGES, global_batch=global_batch, microbatches=microbatches,
-                      grad_clip=CLIP, seed=SEED)
+                      grad_clip=CLIP, seed=SEED, schedule=schedule)
 
 
-def train(rank, world_size, layouts, global_batch, microbatches, data, options):
-    config = graph_experiment(world_size, layouts, global_batch, microbatches, options)
+def train(rank, world_size, layouts, global_batch, microbatches, data, options, schedule="auto"):
+    config = graph_experiment(world_size, layouts, global_batch, microbatches, options, schedule)
     return record_run(build_runtime(config), data, ("loss", "llm.loss", "dna.loss", "video.loss"))
 
 
+MIXED = {"vision": {"dp": 2}, "dna": {"dp": 2}, "llm": {"tp": 2, "pp": 2, "dp": 1, "offset": 2},
+         "video": {"dp": 2, "offset": 6}}
 CASES = {
     "mixed: vision dp2 + dna dp2 (ranks 0-1), llm tp2·pp2 with sequence parallelism (2-5), video dp2 (6-7)": (
-        {"vision": {"dp": 2}, "dna": {"dp": 2}, "llm": {"tp": 2, "pp": 2, "dp": 1, "offset": 2},
-         "video": {"dp": 2, "offset": 6}}, 8, 8, 4, {"llm": ParallelOptions(sequence_parallel=True)}),
+        MIXED, 8, 8, 4, {"llm": ParallelOptions(sequence_parallel=True)}),
+    "mixed as above, one 1F1B over the graph": (
+        MIXED, 8, 8, 4, {"llm": ParallelOptions(sequence_parallel=True)}, "graph_1f1b"),
     "colocated: vision dp8 (fsdp), dna tp2·dp4 (checkpointing), llm tp2·pp2·dp2, video dp8": (
         {"vision": {"dp": 8}, "dna": {"tp": 2, "dp": 4}, "llm": {"tp": 2, "pp": 2, "dp": 2},
          "video": {"dp": 8}}, 8, 16, 2,
@@ -117,9 +120,9 @@ def expected(global_batch):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_graph_parity(case):
-    layouts, world_size, global_batch, microbatches, options = CASES[case]
+    layouts, world_size, global_batch, microbatches, options, *schedule = CASES[case]
     results = run_ranks(train, world_size, layouts, global_batch, microbatches, batches(global_batch), options,
-                        timeout_s=400)
+                        *schedule, timeout_s=400)
     print("\n" + check_parity(results, expected(global_batch), f"graph parity {case}"))
-    config = graph_experiment(world_size, layouts, global_batch, microbatches, options)
+    config = graph_experiment(world_size, layouts, global_batch, microbatches, options, *schedule)
     print("  edge bytes: " + check_edge_bytes(results, config, batches(global_batch)[0], microbatches))

@@ -69,7 +69,7 @@ def test_the_phased_schedule_meets_the_edges_in_one_order_on_every_rank():
         "F:vision:0 F:vision:1 EF:vision->llm:0 EF:vision->llm:1 F:llm:0 F:llm:1")
 
 
-def graph_pipeline(llm_schedule="1f1b"):
+def graph_1f1b(llm_schedule="1f1b"):
     """vision (rank 0) -> llm pp2 (ranks 1-2) -> video (rank 3), every module on its own ranks."""
     modules = {"vision": module("vit", VISION, {"dp": 1}),
                "llm": module("gpt", LLM, {"pp": 2, "dp": 1, "offset": 1}, parallel={"pipeline_schedule": llm_schedule}),
@@ -78,9 +78,9 @@ def graph_pipeline(llm_schedule="1f1b"):
                                   microbatches=4))
 
 
-def test_the_graph_pipeline_warms_up_each_stage_by_the_stages_after_it():
-    graph = graph_pipeline()
-    assert graph.schedule == "graph_pipeline"
+def test_the_graph_1f1b_warms_up_each_stage_by_the_stages_after_it():
+    graph = graph_1f1b()
+    assert graph.schedule == "graph_1f1b"
     lists = check_schedule(graph, 4, training=True)
     forwards_first = {r: next(i for i, a in enumerate(acts) if a.op == "B") for r, acts in lists.items()}
     modules = {0: "vision", 1: "llm", 2: "llm", 3: "video"}
@@ -105,9 +105,9 @@ def test_a_schedule_whose_sides_call_an_edge_in_other_orders_is_refused():
 def test_a_schedule_that_would_deadlock_is_refused_before_any_message():
     """The LLM's last stage in GPipe order waits for microbatch 3, which its first stage (1F1B, warmed up
     by 3) sends only after the gradient of microbatch 0 came back."""
-    graph = graph_pipeline()
+    graph = graph_1f1b()
     lists = check_schedule(graph, 4, training=True)
-    gpipe = check_schedule(graph_pipeline("gpipe"), 4, training=True)
+    gpipe = check_schedule(graph_1f1b("gpipe"), 4, training=True)
     lists[2] = gpipe[2]
     with pytest.raises(ScheduleError, match="deadlocks: each rank waits at its next action: rank 0: .*rank 1: B llm 0; rank 2: F llm 3"):
         check_actions(graph, lists)

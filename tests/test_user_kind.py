@@ -80,7 +80,7 @@ CASES = {
         {"vision": {"dp": 2}, "audio": {"dp": 2}, "llm": {"tp": 2}}, 2, 2, "phased"),
     "each on its own ranks: vision (0), audio (1), llm pp2 (2-3)": (
         {"vision": {"dp": 1}, "audio": {"dp": 1, "offset": 1}, "llm": {"pp": 2, "dp": 1, "offset": 2}}, 4, 4,
-        "graph_pipeline"),
+        "graph_1f1b"),
 }
 
 

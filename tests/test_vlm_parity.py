@@ -61,18 +61,18 @@ def reference(global_batch, model=None, data=None, before_step=None, precision="
     return record_reference(modules, OPTIM, data, loss, CLIP, before_step, precision)
 
 
-def vlm_experiment(world_size, layouts, global_batch, microbatches, options=None):
+def vlm_experiment(world_size, layouts, global_batch, microbatches, options=None, schedule="auto"):
     options = options or {}
     modules = {name: module(kind, config, layouts[name], OPTIM[name], options.get(name))
                for name, kind, config in (("vision", "vit", VISION), ("llm", "gpt", LLM))}
     return experiment(world_size, modules, edges=[("vision", "llm")], global_batch=global_batch,
-                      microbatches=microbatches, grad_clip=CLIP)
+                      microbatches=microbatches, grad_clip=CLIP, schedule=schedule)
 
 
-def train(rank, world_size, layouts, global_batch, microbatches, options=None, steps=STEPS):
-    runtime = build_runtime(vlm_experiment(world_size, layouts, global_batch, microbatches, options))
+def train(rank, world_size, layouts, global_batch, microbatches, options=None, steps=STEPS, schedule="auto"):
+    runtime = build_runtime(vlm_experiment(world_size, layouts, global_batch, microbatches, options, schedule))
     disjoint = not set(runtime.graph.nodes["vision"].layout.ranks) & set(runtime.graph.nodes["llm"].layout.ranks)
-    assert runtime.graph.schedule == ("graph_pipeline" if disjoint else "phased")
+    assert runtime.graph.schedule == ("graph_1f1b" if disjoint else "phased") if schedule == "auto" else schedule
     return record_run(runtime, batches(global_batch)[:steps])
 
 
@@ -93,6 +93,8 @@ CASES = {
     "colocated vision dp4, llm tp2·cp2 with sequence parallelism": (
         {"vision": {"dp": 4}, "llm": {"tp": 2, "cp": 2}}, 4, 8, 2, {"llm": ParallelOptions(sequence_parallel=True)}),
     "non-colocated vision (0), llm cp2 (1-2)": ({"vision": {"dp": 1}, "llm": {"cp": 2, "offset": 1}}, 3, 8, 2, {}),
+    "colocated vision dp2, llm pp2 (0-1), one 1F1B over the graph (vision in the pipeline's bubbles)": (
+        {"vision": {"dp": 2}, "llm": {"pp": 2}}, 2, 8, 4, {}, "graph_1f1b"),
     "non-colocated vision dp3 (0-2), llm dp2 (3-4), small gradient buckets": (
         {"vision": {"dp": 3}, "llm": {"dp": 2, "offset": 3}}, 5, 12, 2, {"vision": SMALL_BUCKETS, "llm": SMALL_BUCKETS}),
 }
@@ -100,11 +102,12 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_vlm_parity(case):
-    layouts, world_size, global_batch, microbatches, options = CASES[case]
+    layouts, world_size, global_batch, microbatches, options, *schedule = CASES[case]
     expected = reference(global_batch)
-    results = run_ranks(train, world_size, layouts, global_batch, microbatches, options, timeout_s=300)
+    results = run_ranks(train, world_size, layouts, global_batch, microbatches, options, STEPS, *schedule,
+                        timeout_s=300)
     print("\n" + check_parity(results, expected, f"vlm parity {case}"))
-    config = vlm_experiment(world_size, layouts, global_batch, microbatches, options)
+    config = vlm_experiment(world_size, layouts, global_batch, microbatches, options, *schedule)
     print("  edge bytes: " + check_edge_bytes(results, config, batches(global_batch)[0], microbatches))
 
 

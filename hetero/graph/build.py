@@ -16,7 +16,7 @@ from hetero.kinds.registry import KindRegistry
 from hetero.parallel.sharding import Sharding
 from hetero.parallel.placement import place
 
-SCHEDULES = ("auto", "phased", "graph_pipeline")
+SCHEDULES = ("auto", "phased", "graph_1f1b")
 
 
 def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = None) -> Graph:
@@ -247,10 +247,5 @@ def _check_connected(nodes: dict[str, Node], edges: list[Edge]) -> None:
 
 def _schedule(experiment: ExperimentConfig, placement) -> str:
     if experiment.schedule == "auto":
-        return "graph_pipeline" if placement.mode == "non_colocated" and len(placement.layouts) > 1 else "phased"
-    if experiment.schedule == "graph_pipeline" and placement.mode != "non_colocated":
-        raise ConfigError(
-            f"schedule=graph_pipeline runs each rank as one stage of one module, but the placement is "
-            f"{placement.mode} (modules share ranks); use schedule=phased or give modules disjoint ranks"
-        )
+        return "graph_1f1b" if placement.mode == "non_colocated" and len(placement.layouts) > 1 else "phased"
     return experiment.schedule

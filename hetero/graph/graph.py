@@ -61,7 +61,7 @@ class Graph:
     edges: tuple[Edge, ...]
     order: tuple[str, ...]  # every module after the modules that feed it
     placement: Placement
-    schedule: str  # phased | graph_pipeline
+    schedule: str  # phased | graph_1f1b
 
     def in_edges(self, name: str) -> list[Edge]:
         return [e for e in self.edges if e.dst == name]

@@ -83,8 +83,8 @@ class GradSync(Protocol):
 class AllReduceGradSync:
     """Sum gradients over ``group`` in flat buckets of at most ``bucket_bytes`` (one dtype per bucket).
 
-    Buckets are fixed at construction, in reverse parameter order (roughly the order the backward
-    produces gradients, as DDP has them). Once ``arm``-ed for a step's final backward, a bucket's
+    Buckets are fixed at construction and start last bucket first (roughly the order in which the
+    backward produces gradients, as DDP has them). Once ``arm``-ed for a step's final backward, a bucket's
     all-reduce starts from a gradient hook as soon as all its parameters' gradients are final, so it
     overlaps the rest of the backward. Buckets start strictly in order, every rank alike (NCCL matches
     collectives by order): one that is ready waits for the ones before it. ``sync`` starts whatever has
@@ -106,8 +106,10 @@ class AllReduceGradSync:
         self.params = [p for _, p in named_params if p.requires_grad]
         self.comm = GroupCollective(group) if isinstance(group, dist.ProcessGroup) else group
         self.reduce_dtype, self.before_launch = reduce_dtype, before_launch
-        shards = [(p, local_data(p)) for p in reversed(self.params)]
-        self.buckets = [[p for p, _ in bucket] for bucket in bucketed(shards, bucket_bytes)]
+        # Grouped in parameter order (where a gradient sits in its bucket decides how a ring all-reduce
+        # rounds its sum: this grouping keeps runs bitwise what they were), started last bucket first.
+        shards = [(p, local_data(p)) for p in self.params]
+        self.buckets = [[p for p, _ in bucket] for bucket in bucketed(shards, bucket_bytes)][::-1]
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._armed = False
         self._ready: list[set[int]] = [set() for _ in self.buckets]

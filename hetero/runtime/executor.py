@@ -54,12 +54,10 @@ class Executor:
         self.output_grads: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
         self.results: dict[str, list[StageResult]] = defaultdict(list)  # last stages' results, for the step's end
         self.prefetched: dict[tuple[str, int], torch.Tensor] = {}  # (module, m) -> what a paired receive got
-        self.next_action: Action | None = None
         self.handlers = {"F": self.forward, "B": self.backward, "EF": self.edge_forward, "EB": self.edge_backward}
 
     def run(self, actions: list[Action]) -> None:
-        for i, action in enumerate(actions):
-            self.next_action = actions[i + 1] if i + 1 < len(actions) else None
+        for action in actions:
             self.handlers[action.op](action.target, action.microbatch)
         for edge in self.runtime.edges.values():
             edge.wait_sends()
@@ -105,7 +103,7 @@ class Executor:
             self.saved[(name, m)] = (received, result)
         if not mesh.is_last_stage:
             links, activation = self.runtime.links[name], result.activation.detach()
-            paired = self._paired(name, "B")
+            paired = self._paired(name, "F", m)
             if paired is None:
                 links.send_activation(m, activation)
             else:  # its gradient comes over the same link next
@@ -127,6 +125,11 @@ class Executor:
         received, result = self.saved.pop((name, m))
         if final:
             module.replica_sync.final_backward_begins()  # the DP all-reduce starts from its gradient hooks
+        upstream = None  # a later stage's gradient, received before the timer starts (waiting is not compute)
+        if not mesh.is_last_stage:
+            upstream = self.prefetched.pop((name, m), None)
+            if upstream is None:
+                upstream = self.runtime.links[name].recv_grad(m, tuple(result.activation.shape))
         with self.runtime.timer.timed(name), node.kind.compute(mesh):
             if mesh.is_last_stage:
                 tensors, grads = [], []
@@ -141,16 +144,12 @@ class Executor:
                 if tensors:
                     torch.autograd.backward(tensors, grads)
             else:
-                activation = result.activation
-                grad = self.prefetched.pop((name, m), None)
-                if grad is None:
-                    grad = self.runtime.links[name].recv_grad(m, tuple(activation.shape))
-                activation.backward(grad)
+                result.activation.backward(upstream)
         if final:
             module.replica_sync.final_backward_ends()
         if received is not None:
             grad = received.grad if received.grad is not None else torch.zeros_like(received)
-            links, paired = self.runtime.links[name], self._paired(name, "F")
+            links, paired = self.runtime.links[name], self._paired(name, "B", m)
             if paired is None:
                 links.send_grad(m, grad)
             else:  # its activation comes over the same link next
@@ -161,16 +160,15 @@ class Executor:
         node, mesh = self.graph.nodes[name], self.runtime.modules[name].mesh
         return node.kind.stage_shape(node.config, len(local), mesh.layout, node.options)
 
-    def _paired(self, name: str, op: str) -> int | None:
-        """The microbatch of this rank's next action when it is module ``name``'s ``op`` and receives over
-        the link the current action just sent on (1F1B's steady state), else None."""
-        following = self.next_action
-        if following is None or following.op != op or following.target != name:
+    def _paired(self, name: str, op: str, m: int) -> int | None:
+        """The microbatch whose receive goes in one batch with this action's send (``paired_transfers``;
+        training only), unless this replica skips that action (no rows; the other side skips it too)."""
+        following = self.runtime.paired.get((op, name, m)) if self.training else None
+        if following is None:
             return None
-        m = following.microbatch
-        if op == "B":
-            return m if (name, m) in self.saved else None  # a skipped forward has no backward
-        return None if self._skips(name, self._local(name, m)) else m
+        if op == "F":
+            return following if (name, following) in self.saved else None  # a skipped forward has no backward
+        return None if self._skips(name, self._local(name, following)) else following
 
     # -------------------------------------------------------------------------------------- edges
 

@@ -8,13 +8,14 @@ stage and of the destination's first stage takes part). A schedule gives each ra
   a module nothing consumes (a sink) runs its whole pipeline schedule (1F1B or GPipe) there; then, in
   reverse order, each other module's outgoing edges backward and its backwards. Every rank meets the
   edges in one global order, so boundary calls pair without buffering.
-- ``graph_pipeline`` (every module on its own ranks): each rank runs its stage's 1F1B order (GPipe if a
-  module asks for it) with a warmup of the stages on the longest path after it, receiving from its
-  incoming edges before a first stage's forward and sending after a last stage's; the edges' sends are
-  posted asynchronously, as between a module's own stages.
+- ``graph_1f1b`` (any placement): every module's stages keep their 1F1B order (GPipe if a module asks
+  for it), warmed up by the stages on the longest path after them, receiving from their incoming edges
+  before a first stage's forward and sending after a last stage's; the edges' sends are posted
+  asynchronously, as between a module's own stages. A rank holding several modules interleaves them
+  by a simulation of the step (``_graph_1f1b``); on disjoint placements each rank runs its one queue.
 
-``check_schedule`` runs every rank's list in a simulation (sends posted without waiting, receives
-waiting for their send, edge calls of the phased schedule waiting for all their ranks) and checks that
+``check_schedule`` runs every rank's list in a simulation (``_Progress``: sends posted on entering an
+action, receives waiting for their sends, edge calls of the phased schedule waiting for all their ranks) and checks that
 both sides of every edge call it in the same order and that a module's stage replicas run the same
 actions: a schedule that would deadlock or mispair fails here, on every rank alike, before any message.
 """
@@ -48,10 +49,12 @@ def edge_ranks(graph: Graph, edge: Edge) -> set[int]:
     return {r for r, c in src.coords() if c.pp == src.pp - 1} | {r for r, c in dst.coords() if c.pp == 0}
 
 
-def rank_actions(graph: Graph, rank: int, microbatches: int, training: bool) -> list[Action]:
-    if graph.schedule == "graph_pipeline":
-        return _graph_pipeline(graph, rank, microbatches, training)
-    return _phased(graph, rank, microbatches, training)
+def schedule_lists(graph: Graph, microbatches: int, training: bool) -> dict[int, list[Action]]:
+    """Every rank's actions under the graph's schedule (unchecked)."""
+    world = graph.placement.world_size
+    if graph.schedule == "graph_1f1b":
+        return _graph_1f1b(graph, world, microbatches, training)
+    return {rank: _phased(graph, rank, microbatches, training) for rank in range(world)}
 
 
 def _stage_of(graph: Graph, name: str, rank: int) -> int | None:
@@ -90,29 +93,205 @@ def _phased(graph: Graph, rank: int, n: int, training: bool) -> list[Action]:
     return actions
 
 
-def _graph_pipeline(graph: Graph, rank: int, n: int, training: bool) -> list[Action]:
-    (name,) = [m for m in graph.order if _stage_of(graph, m, rank) is not None]
+def _senders(graph: Graph, action: Action) -> set[int]:
+    """The ranks that hand data over in an edge call: the source's last stage in ``EF``, the destination's
+    first stage in ``EB``."""
+    edge = next(e for e in graph.edges if e.name == action.target)
+    src, dst = graph.nodes[edge.src].layout, graph.nodes[edge.dst].layout
+    if action.op == "EF":
+        return {r for r, c in src.coords() if c.pp == src.pp - 1}
+    return {r for r, c in dst.coords() if c.pp == 0}
+
+
+def _receivers(graph: Graph, action: Action) -> set[int]:
+    """The ranks that take data in an edge call: the destination's first stage in ``EF``, the source's
+    last stage in ``EB``."""
+    edge = next(e for e in graph.edges if e.name == action.target)
+    src, dst = graph.nodes[edge.src].layout, graph.nodes[edge.dst].layout
+    if action.op == "EF":
+        return {r for r, c in dst.coords() if c.pp == 0}
+    return {r for r, c in src.coords() if c.pp == src.pp - 1}
+
+
+def _stage_queue(graph: Graph, name: str, rank: int, n: int, training: bool) -> list[Action]:
+    """Module ``name``'s stage on ``rank``: its 1F1B order (GPipe if a module asks), warmed up by the
+    stages on the longest path after it, each forward with the edge calls it needs before it (first
+    stage) or makes after it (last stage), each backward likewise. An edge call appears once on a rank:
+    where a rank holds both ends, with the end that hands data over (the source's forward, the
+    destination's backward)."""
     node, stage = graph.nodes[name], _stage_of(graph, name, rank)
     first, last = stage == 0, stage == node.layout.pp - 1
     warmup = node.layout.pp - 1 - stage + graph.depth_after(name)
     order = stage_order(_pipeline_schedule(graph, graph.order), warmup, n) if training else [("F", m) for m in range(n)]
+
+    def holds_source(edge: Edge) -> bool:
+        src = graph.nodes[edge.src].layout
+        coord = src.coord(rank)
+        return coord is not None and coord.pp == src.pp - 1
+
+    def holds_destination(edge: Edge) -> bool:
+        coord = graph.nodes[edge.dst].layout.coord(rank)
+        return coord is not None and coord.pp == 0
+
     actions: list[Action] = []
     for op, m in order:
         if op == "F":
-            actions += [Action("EF", e.name, m) for e in graph.in_edges(name)] if first else []
+            actions += [Action("EF", e.name, m) for e in graph.in_edges(name) if first and not holds_source(e)]
             actions.append(Action("F", name, m))
-            actions += [Action("EF", e.name, m) for e in graph.out_edges(name)] if last else []
+            actions += [Action("EF", e.name, m) for e in graph.out_edges(name) if last]
         else:
-            actions += [Action("EB", e.name, m) for e in graph.out_edges(name)] if last else []
+            actions += [Action("EB", e.name, m) for e in graph.out_edges(name) if last and not holds_destination(e)]
             actions.append(Action("B", name, m))
-            actions += [Action("EB", e.name, m) for e in graph.in_edges(name)] if first else []
+            actions += [Action("EB", e.name, m) for e in graph.in_edges(name) if first]
     return actions
+
+
+def _graph_1f1b(graph: Graph, world: int, n: int, training: bool) -> dict[int, list[Action]]:
+    """One 1F1B over the whole module graph: every module's stage queues (``_stage_queue``) merged per
+    rank by a simulation of the step in which each rank, whenever it is free, starts the first queue
+    head that can run (backwards first: the sooner a gradient returns, the sooner memory frees; then the
+    earliest microbatch, then graph order: two encoders of one LLM alternate), and when none can, enters the first edge call, whose
+    sends it posts at once. A rank holding several modules fills one module's idle slots (a pipeline's
+    warm-up and cool-down, a downstream module's wait for its input) with another's work. Every rank
+    computes the same simulation, so the lists agree; ``check_actions`` checks them as any schedule."""
+    queues = {rank: [_stage_queue(graph, name, rank, n, training) for name in graph.order
+                     if _stage_of(graph, name, rank) is not None] for rank in range(world)}
+    lists: dict[int, list[Action]] = {rank: [] for rank in range(world)}
+    state = _Progress(graph, lists)
+    while any(q for qs in queues.values() for q in qs):
+        progressed = False
+        for rank in range(world):
+            if state.blocked(rank):
+                continue
+            heads = [q for q in queues[rank] if q]
+            if not heads:
+                continue
+            # backwards first, then the earliest microbatch, then graph order (the sort is stable)
+            ordered = sorted(heads, key=lambda q: (q[0].op not in ("B", "EB"), q[0].microbatch))
+            chosen = next((q for q in ordered if state.ready(rank, q[0])), None)
+            if chosen is None:
+                chosen = next((q for q in ordered if q[0].op in ("EF", "EB")), None)
+            if chosen is None:
+                continue
+            lists[rank].append(chosen.pop(0))
+            progressed = True
+        progressed |= state.advance()
+        if not progressed:
+            stuck = {r: [str(q[0]) for q in queues[r] if q] for r in queues if any(queues[r])}
+            raise ScheduleError(f"the graph_1f1b schedule found no order for these queue heads: {stuck}")
+    state.finish()
+    return lists
+
+
+class _Progress:
+    """Where each rank is in its (growing) action list, and which actions are done: the semantics both
+    the graph 1F1B's simulation and ``check_actions`` run by. Sends are posted on entering an action; a
+    stage's forward waits for the previous stage's, a backward for the next stage's; an edge call
+    completes on a rank that only hands data over at once (the source's ranks in ``EF``; the
+    destination's in ``EB`` once every destination rank entered, for their reduce-scatter), and on
+    every other rank once every rank of the call entered it. Under ``phased`` an edge call waits for all
+    its ranks and completes on all of them together."""
+
+    def __init__(self, graph: Graph, lists: dict[int, list[Action]]):
+        self.graph, self.lists = graph, lists
+        self.synchronous = graph.schedule == "phased"
+        self.position = dict.fromkeys(lists, 0)
+        self.done: set[tuple[int, Action]] = set()
+        self.ranks = {e.name: edge_ranks(graph, e) for e in graph.edges}
+
+    def blocked(self, rank: int) -> bool:
+        """Whether ``rank`` is inside an action it entered and has not finished."""
+        return self.position[rank] < len(self.lists[rank])
+
+    def entered(self, rank: int, action: Action) -> bool:
+        return (rank, action) in self.done or (self.blocked(rank) and self.lists[rank][self.position[rank]] == action)
+
+    def ready(self, rank: int, action: Action) -> bool:
+        if action.op in ("F", "B"):
+            node = self.graph.nodes[action.target]
+            coord = node.layout.coord(rank)
+            step = -1 if action.op == "F" else 1
+            if 0 <= coord.pp + step < node.layout.pp:
+                return (node.layout.rank_at(coord._replace(pp=coord.pp + step)), action) in self.done
+            # a first stage's forward needs its inputs, a last stage's backward its outputs' gradients:
+            # this rank's part of those edge calls done (a rank holding both ends lists them elsewhere)
+            edges = self.graph.in_edges(action.target) if action.op == "F" else self.graph.out_edges(action.target)
+            op = "EF" if action.op == "F" else "EB"
+            return all((rank, Action(op, e.name, action.microbatch)) in self.done for e in edges
+                       if rank in self.ranks[e.name])
+        ranks = self.ranks[action.target]
+        if self.synchronous:
+            return all(self.entered(r, action) for r in ranks)
+        if rank in _receivers(self.graph, action):
+            waits_for = ranks
+        elif action.op == "EF":
+            return True
+        else:
+            waits_for = _senders(self.graph, action)
+        return all(r == rank or self.entered(r, action) for r in waits_for)
+
+    def advance(self) -> bool:
+        """Finish every entered action that can finish now; whether any did."""
+        progressed, moving = False, True
+        while moving:
+            moving = False
+            for rank in self.lists:
+                if not self.blocked(rank):
+                    continue
+                action = self.lists[rank][self.position[rank]]
+                if not self.ready(rank, action):
+                    continue
+                if self.synchronous and action.op in ("EF", "EB"):
+                    for peer in self.ranks[action.target]:
+                        self.done.add((peer, action))
+                        self.position[peer] += 1
+                else:
+                    self.done.add((rank, action))
+                    self.position[rank] += 1
+                moving = progressed = True
+        return progressed
+
+    def finish(self) -> None:
+        """Run what is left of the lists to their end, or raise ``ScheduleError`` naming where they stick."""
+        while any(self.blocked(r) for r in self.lists):
+            if not self.advance():
+                stuck = {r: str(self.lists[r][self.position[r]]) for r in self.lists if self.blocked(r)}
+                raise ScheduleError(
+                    f"the {self.graph.schedule} schedule deadlocks: each rank waits at its next action: "
+                    + "; ".join(f"rank {r}: {a}" for r, a in sorted(stuck.items()))
+                )
+
+
+def paired_transfers(graph: Graph, lists: dict[int, list[Action]], rank: int) -> dict[tuple[str, str, int], int]:
+    """Where ``rank`` posts a stage send and the next receive over the same link in one batch: keyed by
+    (op, module, microbatch) of the sending action, the microbatch of the receiving one. A forward
+    followed by the same module's backward (activation out, gradient in) pairs when the next stage's
+    rank runs those two backward-then-forward, adjacent too, and the reverse likewise: 1F1B's steady
+    state. Only pairs matched on both sides are safe on NCCL, which completes a batch as a whole: one
+    side's batch would otherwise wait for a receive the other posts only after other work."""
+
+    def adjacent(ranks_list: list[Action]) -> set[tuple[str, str, int, int]]:
+        return {(a.op, a.target, a.microbatch, b.microbatch) for a, b in zip(ranks_list, ranks_list[1:])
+                if a.target == b.target and {a.op, b.op} == {"F", "B"}}
+
+    pairs: dict[tuple[str, str, int], int] = {}
+    mine = adjacent(lists[rank])
+    for op, name, sent, received in mine:
+        layout = graph.nodes[name].layout
+        coord = layout.coord(rank)
+        peer_pp = coord.pp + 1 if op == "F" else coord.pp - 1
+        if not 0 <= peer_pp < layout.pp:
+            continue
+        peer = layout.rank_at(coord._replace(pp=peer_pp))
+        other = "B" if op == "F" else "F"
+        if (other, name, received, sent) in adjacent(lists[peer]):
+            pairs[(op, name, sent)] = received
+    return pairs
 
 
 def check_schedule(graph: Graph, microbatches: int, training: bool) -> dict[int, list[Action]]:
     """Every rank's actions, checked (``check_actions``)."""
-    world = graph.placement.world_size
-    lists = {rank: rank_actions(graph, rank, microbatches, training) for rank in range(world)}
+    lists = schedule_lists(graph, microbatches, training)
     check_actions(graph, lists)
     return lists
 
@@ -121,7 +300,7 @@ def check_actions(graph: Graph, lists: dict[int, list[Action]]) -> None:
     """Raise ``ScheduleError`` when the ranks' lists would mispair an edge's calls, let a module's stage
     replicas diverge, or deadlock (see the module docstring)."""
     _check_pairing(graph, lists)
-    _simulate(graph, lists)
+    _Progress(graph, lists).finish()
 
 
 def _check_pairing(graph: Graph, lists: dict[int, list[Action]]) -> None:
@@ -139,50 +318,3 @@ def _check_pairing(graph: Graph, lists: dict[int, list[Action]]) -> None:
         for stage, orders in by_stage.items():
             if len({tuple(map(str, o)) for o in orders.values()}) > 1:
                 raise ScheduleError(f"{name} stage {stage}: its ranks run different actions")
-
-
-def _simulate(graph: Graph, lists: dict[int, list[Action]]) -> None:
-    synchronous = graph.schedule == "phased"
-    edges = {e.name: e for e in graph.edges}
-    done: set[tuple] = set()  # (rank, action) executed
-    position = dict.fromkeys(lists, 0)
-
-    def executed(rank: int, action: Action) -> bool:
-        return (rank, action) in done
-
-    def ready(rank: int, action: Action) -> bool:
-        if action.op in ("F", "B"):
-            node = graph.nodes[action.target]
-            coord = node.layout.coord(rank)
-            step = -1 if action.op == "F" else 1
-            if 0 <= coord.pp + step < node.layout.pp:
-                return executed(node.layout.rank_at(coord._replace(pp=coord.pp + step)), action)
-            return True
-        edge = edges[action.target]
-        ranks = edge_ranks(graph, edge)
-        if synchronous:
-            return all(position[r] < len(lists[r]) and lists[r][position[r]] == action for r in ranks)
-        src, dst = graph.nodes[edge.src].layout, graph.nodes[edge.dst].layout
-        senders = {r for r, c in src.coords() if c.pp == src.pp - 1} if action.op == "EF" else \
-            {r for r, c in dst.coords() if c.pp == 0}
-        return rank in senders or all(executed(r, action) for r in senders)
-
-    while any(position[r] < len(lists[r]) for r in lists):
-        progressed = False
-        for rank in lists:
-            while position[rank] < len(lists[rank]) and ready(rank, lists[rank][position[rank]]):
-                action = lists[rank][position[rank]]
-                if synchronous and action.op in ("EF", "EB"):
-                    for peer in edge_ranks(graph, edges[action.target]):
-                        done.add((peer, action))
-                        position[peer] += 1
-                else:
-                    done.add((rank, action))
-                    position[rank] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(lists[r][position[r]]) for r in lists if position[r] < len(lists[r])}
-            raise ScheduleError(
-                f"the {graph.schedule} schedule deadlocks: each rank waits at its next action: "
-                + "; ".join(f"rank {r}: {a}" for r, a in sorted(stuck.items()))
-            )

@@ -76,12 +76,14 @@ def test_pipeline_bubble_and_dp_traffic():
 def test_nothing_fits_one_small_device():
     cluster = ClusterSpec(nodes=1, gpus_per_node=1, device=DeviceSpec(memory_gib=16))
     plans = Planner(cluster, workload_of(load_experiment("vlm_7b"))).plans()
-    assert plans == {"homogeneous": [], "colocated": [], "non_colocated": []}
+    assert plans == {"homogeneous": [], "colocated": [], "colocated_1f1b": [], "non_colocated": []}
 
 
 def test_long_context_vlm_on_64_h100s():
-    """The acceptance case: heterogeneous placements pull ahead of one shared grid as the context grows,
-    because the LLM's model parallelism (tp, cp) grows with it and a shared grid drags the encoder along."""
+    """The acceptance case: a heterogeneous placement is never behind one shared grid, and pulls ahead at
+    long context (the LLM's model parallelism grows with it and a shared grid drags the encoder along);
+    filling the LLM's pipeline bubbles with encoder work never makes a colocated plan slower. Predicted
+    gains: 4.5% at 8k (bubble filling's plan), 1.3% at 32k, 7.4% at 128k."""
     experiment, cluster = load_experiment("vlm_7b"), load_cluster("h100_64")
     gains = {}
     for context in (8192, 32768, 131072):
@@ -93,7 +95,9 @@ def test_long_context_vlm_on_64_h100s():
             assert cluster.device.usable_memory * 80 >= best.memory_gib
             assert best.model_flops == pytest.approx(workload.model_flops)
             assert 0 < best.tflops_per_gpu < cluster.device.peak_tflops
-    assert gains[8192] < gains[32768] < gains[131072]
+            assert sum(best.breakdown().values()) == pytest.approx(best.step_s)
+        assert plans["colocated_1f1b"][0].step_s <= plans["colocated"][0].step_s
+    assert all(gain >= 1 for gain in gains.values())
     assert gains[131072] > 1.05
 
 

@@ -40,6 +40,14 @@ CONFIGS = {
     "colocated: vision dp2, llm tp2": [
         "vision.layout.dp=2", "llm.layout.tp=2", "llm.layout.dp=1", "batch.micro_batch_size=16", "vision.micro_batch_size=8",
     ],
+    "colocated: vision dp2, llm pp2, phased": [
+        "vision.layout.dp=2", "llm.layout.tp=1", "llm.layout.dp=1", "llm.layout.pp=2", "batch.micro_batch_size=4",
+        "vision.micro_batch_size=2", "schedule=phased",
+    ],
+    "colocated: vision dp2, llm pp2, graph_1f1b": [
+        "vision.layout.dp=2", "llm.layout.tp=1", "llm.layout.dp=1", "llm.layout.pp=2", "batch.micro_batch_size=4",
+        "vision.micro_batch_size=2", "schedule=graph_1f1b",
+    ],
 }
 
 

@@ -116,10 +116,27 @@ class ModuleCost:
     memory_bytes: float  # the fullest rank's
     microbatches: int
     microbatch_s: float  # one microbatch through the slowest stage, forward and backward
+    slots: int = 1  # the pipeline's slots of ``microbatch_s``: microbatches + pp - 1
+    optimizer_s: float = 0.0
 
     @property
     def memory_gib(self) -> float:
         return self.memory_bytes / GIB
+
+    @property
+    def bubble_s(self) -> float:
+        """A stage's idle slots in the pipeline's warm-up and cool-down."""
+        return self.compute_s * (self.slots - self.microbatches) / self.slots
+
+    @property
+    def work_s(self) -> float:
+        """Forwards, backwards (their TP and CP traffic apart) and the optimizer step."""
+        return (self.compute_s - self.tp_s - self.cp_s) * self.microbatches / self.slots + self.optimizer_s
+
+    @property
+    def comm_s(self) -> float:
+        """TP and CP traffic of the real microbatches, stage hops and the gradient sync."""
+        return (self.tp_s + self.cp_s) * self.microbatches / self.slots + self.pp_s + self.dp_s
 
 
 def allreduce_s(nbytes: float, n: int, link: LinkSpec) -> float:
@@ -258,6 +275,8 @@ class CostModel:
             memory_bytes=state + activations + logits,
             microbatches=microbatches,
             microbatch_s=stage_s,
+            slots=slots,
+            optimizer_s=optimizer_s,
         )
 
     def fits(self, memory_bytes: float) -> bool:

@@ -19,8 +19,10 @@ def heterogeneous_gain(plans: dict[str, list[Plan]]) -> float | None:
 
 def plan_row(plan: Plan, cluster: ClusterSpec) -> str:
     mfu = plan.tflops_per_gpu / cluster.device.peak_tflops
-    return (f"{plan.mode:<14} {plan.step_s:9.4g} {plan.tflops_per_gpu:12.4g} {mfu:6.1%} {plan.memory_gib:8.3g}   "
-            f"{plan.describe()}")
+    parts = plan.breakdown()
+    shares = " ".join(f"{parts[key] / plan.step_s:5.0%}" for key in ("compute_s", "comm_s", "idle_s"))
+    return (f"{plan.mode:<14} {plan.step_s:9.4g} {plan.tflops_per_gpu:12.4g} {mfu:6.1%} {plan.memory_gib:8.3g} "
+            f"{shares}   {plan.describe()}")
 
 
 def format_context(context: int, workload: Workload, plans: dict[str, list[Plan]], cluster: ClusterSpec, top: int) -> str:
@@ -28,7 +30,8 @@ def format_context(context: int, workload: Workload, plans: dict[str, list[Plan]
     lines = [
         f"context {context}: {workload.sequences} sequences{', ' + images if images else ''} per step, "
         f"{workload.model_flops / 1e15:.3g} PFLOP (model FLOPs) on {cluster.world_size} devices of {cluster.name}",
-        f"{'placement':<14} {'step s':>9} {'TFLOP/s/GPU':>12} {'MFU':>6} {'mem GiB':>8}   layouts",
+        f"{'placement':<14} {'step s':>9} {'TFLOP/s/GPU':>12} {'MFU':>6} {'mem GiB':>8} {'comp.':>5} {'comm':>5} "
+        f"{'idle':>5}   layouts",
     ]
     for mode in MODES:
         lines.append(plan_row(plans[mode][0], cluster) if plans[mode] else f"{mode:<14} (no layout fits)")
@@ -46,6 +49,7 @@ def plan_json(plan: Plan) -> dict:
     return {
         "mode": plan.mode, "step_s": plan.step_s, "tflops_per_gpu": plan.tflops_per_gpu,
         "memory_gib": plan.memory_gib, "boundary_s": plan.boundary_s, "ranks": plan.ranks,
+        "breakdown": plan.breakdown(),
         "layouts": {n: asdict(c) for n, c in plan.choices.items()},
         "modules": {n: asdict(c) for n, c in plan.costs.items()},
     }

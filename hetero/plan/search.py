@@ -4,7 +4,11 @@ Three placement modes over the same world of N devices:
 
 - homogeneous: every module takes the LLM's grid (tp, cp, dp on all N ranks); encoders run inside the
   LLM's first pipeline stage, once per LLM microbatch (how a single-layout framework runs them);
-- colocated: every module on all N ranks with its own layout, one after the other in a step;
+- colocated: every module on all N ranks with its own layout, one after the other in a step (``phased``);
+- colocated_1f1b: the same layouts under one 1F1B over the graph (``graph_1f1b``): the encoders' work
+  fills the LLM pipeline's warm-up and cool-down bubbles, (pp - 1) slots of its slowest stage on every
+  rank, except one microbatch of each encoder, which runs before the LLM's first forward and after its
+  last backward; encoder activations stay alive for a pipeline's depth of microbatches, not all;
 - non-colocated: encoders on their own ranks, the LLM on the rest; the graph runs as a pipeline, so a
   step takes the slower side plus the faster side's share of one microbatch (fill and drain), plus the
   boundary transfer.
@@ -23,7 +27,7 @@ from hetero.parallel.placement import Placement
 from hetero.plan.cluster import ClusterSpec
 from hetero.plan.cost import GIB, Choice, CostModel, ModuleCost, Transformer, describe, send_s
 
-MODES = ("homogeneous", "colocated", "non_colocated")
+MODES = ("homogeneous", "colocated", "colocated_1f1b", "non_colocated")
 
 
 @dataclass
@@ -66,10 +70,27 @@ class Plan:
     boundary_s: float
     model_flops: float
     world_size: int
+    folded: tuple[str, ...] = ()  # modules whose forwards and backwards run inside another's stage (homogeneous)
 
     @property
     def tflops_per_gpu(self) -> float:
         return self.model_flops / self.step_s / self.world_size / 1e12
+
+    def breakdown(self) -> dict[str, float]:
+        """Where a rank's step goes, averaged over the ranks (seconds; the three add up to ``step_s``):
+        compute (forwards, backwards, optimizer), exposed communication (TP, CP, stage hops, gradient
+        syncs, the boundary: none hidden behind compute in this model) and the rest, idle (pipeline
+        bubbles, a faster side waiting for a slower one)."""
+        compute = comm = 0.0
+        for name, cost in self.costs.items():
+            share = self.ranks[name] / self.world_size  # a module on every rank counts whole
+            if name in self.folded:  # its work is in the stage time of the module it runs inside
+                comm += share * cost.dp_s
+                continue
+            compute += share * cost.work_s
+            comm += share * cost.comm_s
+        comm += self.boundary_s
+        return {"compute_s": compute, "comm_s": comm, "idle_s": max(self.step_s - compute - comm, 0.0)}
 
     def describe(self) -> str:
         parts = [f"{n}[{self.ranks[n]}] {c.label()}" for n, c in self.choices.items()]
@@ -221,7 +242,7 @@ class Planner:
                 ranks = {n: world for n in [*self.workload.encoders, llm.name]}
                 choices = {n: choice for n in self.workload.encoders} | {llm.name: choice}  # one grid for all
                 plans.append(Plan("homogeneous", ranks, choices, encoder_costs | {llm.name: cost}, step,
-                                  memory / GIB, 0.0, self.workload.model_flops, world))
+                                  memory / GIB, 0.0, self.workload.model_flops, world, tuple(encoder_costs)))
         return sorted(plans, key=lambda plan: plan.step_s)
 
     def colocated(self, world: int) -> list[Plan]:
@@ -229,18 +250,24 @@ class Planner:
         usable = self.model.device.usable_memory * self.model.device.memory_gib * GIB
         boundary = self._boundary_s(world, world) if self.workload.encoders else 0.0
         for choice, cost in self._llm_options(world):
-            # The phased schedule encodes every microbatch before the LLM runs: all stay alive until its backward.
-            picks = self._paired(choice, cost, dict.fromkeys(self.workload.encoders, world), cost.microbatches,
-                                 usable - cost.memory_bytes)
-            if picks is None:
-                continue
-            step = cost.step_s + sum(c.step_s for _, c in picks.values()) + boundary
-            memory = cost.memory_bytes + sum(c.memory_bytes for _, c in picks.values())
-            plans.append(Plan("colocated", dict.fromkeys([*picks, llm.name], world),
-                              {n: c for n, (c, _) in picks.items()} | {llm.name: choice},
-                              {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, step, memory / GIB,
-                              boundary, self.workload.model_flops, world))
+            # Phased, every microbatch is encoded before the LLM runs: all stay alive until its backward;
+            # under one 1F1B an encoder holds a pipeline's depth of microbatches.
+            for mode, held in (("colocated", cost.microbatches), ("colocated_1f1b", min(choice.pp + 1, cost.microbatches))):
+                picks = self._paired(choice, cost, dict.fromkeys(self.workload.encoders, world), held,
+                                     usable - cost.memory_bytes)
+                if picks is None:
+                    continue
+                encoders = [c for _, c in picks.values()]
+                step = (phased_colocated_s if mode == "colocated" else graph_1f1b_colocated_s)(cost, encoders) + boundary
+                memory = cost.memory_bytes + sum(c.memory_bytes for c in encoders)
+                plans.append(Plan(mode, dict.fromkeys([*picks, llm.name], world),
+                                  {n: c for n, (c, _) in picks.items()} | {llm.name: choice},
+                                  {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, step, memory / GIB,
+                                  boundary, self.workload.model_flops, world))
         return sorted(plans, key=lambda plan: plan.step_s)
+
+    def plans_of(self, mode: str, plans: list[Plan]) -> list[Plan]:
+        return [p for p in plans if p.mode == mode]
 
     def non_colocated(self, world: int, keep: int = 8) -> list[Plan]:
         """Encoders on ranks 0..e-1, the LLM on the rest, for every split e (the LLM's ``keep`` fastest
@@ -275,8 +302,24 @@ class Planner:
     def plans(self, world: int | None = None) -> dict[str, list[Plan]]:
         """Every placement mode's plans that fit, fastest first."""
         world = world or self.cluster.world_size
-        return {"homogeneous": self.homogeneous(world), "colocated": self.colocated(world),
-                "non_colocated": self.non_colocated(world)}
+        colocated = self.colocated(world)
+        return {"homogeneous": self.homogeneous(world), "colocated": self.plans_of("colocated", colocated),
+                "colocated_1f1b": self.plans_of("colocated_1f1b", colocated), "non_colocated": self.non_colocated(world)}
+
+
+def phased_colocated_s(llm: ModuleCost, encoders: list[ModuleCost]) -> float:
+    """A colocated step under ``phased``: each module's whole step in turn."""
+    return llm.step_s + sum(c.step_s for c in encoders)
+
+
+def graph_1f1b_colocated_s(llm: ModuleCost, encoders: list[ModuleCost]) -> float:
+    """A colocated step under ``graph_1f1b``: the encoders' forwards and backwards go into the LLM
+    pipeline's bubbles (``bubble_s`` on every rank), but one microbatch of each stays exposed (the first
+    forward comes before the LLM's, the last backward after it); their syncs and optimizer steps stay
+    outside."""
+    hidden_work = sum(c.compute_s for c in encoders)
+    exposed = max(hidden_work - llm.bubble_s, sum(c.microbatch_s for c in encoders))
+    return llm.step_s + exposed + sum(c.dp_s + c.optimizer_s for c in encoders)
 
 
 EXTRA_CONTEXT = ("images", "mixed")
@@ -342,8 +385,10 @@ def predict_configured(experiment: ExperimentConfig, placement: Placement, clust
     world = placement.world_size
     if relations <= {"colocated"}:
         boundary = planner._boundary_s(world, world) if workload.encoders else 0.0
-        step = sum(c.step_s for c in costs.values()) + boundary
-        mode = "colocated"
+        one_1f1b = experiment.schedule == "graph_1f1b"
+        encoders = [costs[n] for n in workload.encoders]
+        step = (graph_1f1b_colocated_s if one_1f1b else phased_colocated_s)(costs[llm], encoders) + boundary
+        mode = "colocated_1f1b" if one_1f1b else "colocated"
     elif relations == {"disjoint"} and len(workload.encoders) == 1:
         (name,) = workload.encoders
         boundary = planner._boundary_s(ranks[name], ranks[llm])

@@ -149,11 +149,16 @@ def _stage_queue(graph: Graph, name: str, rank: int, n: int, training: bool) -> 
 def _graph_1f1b(graph: Graph, world: int, n: int, training: bool) -> dict[int, list[Action]]:
     """One 1F1B over the whole module graph: every module's stage queues (``_stage_queue``) merged per
     rank by a simulation of the step in which each rank, whenever it is free, starts the first queue
-    head that can run (backwards first: the sooner a gradient returns, the sooner memory frees; then the
-    earliest microbatch, then graph order: two encoders of one LLM alternate), and when none can, enters the first edge call, whose
+    head that can run (an encoder's backward, which no other rank waits for, last; then backwards first:
+    the sooner a gradient returns, the sooner memory frees; then the earliest microbatch, then graph
+    order: two encoders of one LLM alternate), and when none can, enters the first edge call, whose
     sends it posts at once. A rank holding several modules fills one module's idle slots (a pipeline's
     warm-up and cool-down, a downstream module's wait for its input) with another's work. Every rank
     computes the same simulation, so the lists agree; ``check_actions`` checks them as any schedule."""
+    def terminal(rank: int, action: Action) -> bool:
+        """A first stage's backward of a module nothing feeds (an encoder's): no rank waits for it."""
+        return action.op == "B" and not graph.in_edges(action.target) and _stage_of(graph, action.target, rank) == 0
+
     queues = {rank: [_stage_queue(graph, name, rank, n, training) for name in graph.order
                      if _stage_of(graph, name, rank) is not None] for rank in range(world)}
     lists: dict[int, list[Action]] = {rank: [] for rank in range(world)}
@@ -166,8 +171,8 @@ def _graph_1f1b(graph: Graph, world: int, n: int, training: bool) -> dict[int, l
             heads = [q for q in queues[rank] if q]
             if not heads:
                 continue
-            # backwards first, then the earliest microbatch, then graph order (the sort is stable)
-            ordered = sorted(heads, key=lambda q: (q[0].op not in ("B", "EB"), q[0].microbatch))
+            # work some other rank waits for first, then backwards, the earliest microbatch, graph order
+            ordered = sorted(heads, key=lambda q: (terminal(rank, q[0]), q[0].op not in ("B", "EB"), q[0].microbatch))
             chosen = next((q for q in ordered if state.ready(rank, q[0])), None)
             if chosen is None:
                 chosen = next((q for q in ordered if q[0].op in ("EF", "EB")), None)

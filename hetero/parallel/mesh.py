@@ -3,7 +3,7 @@
 No global parallel state: each module gets a ``ModuleMesh`` holding its own groups, so modules with
 different layouts coexist in one process. Every group of every module is created on every rank, in
 one deterministic order (torch requires it: a group created on only some ranks hangs the others), and
-identical rank sets share one group.
+identical rank sets share one group, except the stage links' groups (one per direction, each module's own).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class ModuleMesh:
     layout: Layout
     coord: Coord
     mesh: DeviceMesh  # dims named ("pp", "dp", "cp", "tp"), tp innermost
-    groups: dict[str, dist.ProcessGroup]  # "tp", "cp", "dp", "pp", "dp_cp"
+    groups: dict[str, dist.ProcessGroup]  # "tp", "cp", "dp", "pp", "dp_cp"; under pp > 1 also STAGE_GROUPS
     group_ranks: dict[str, tuple[int, ...]]  # global ranks of each group, in group-rank order
 
     def group(self, kind: str) -> dist.ProcessGroup:
@@ -43,6 +43,9 @@ class ModuleMesh:
     @property
     def is_last_stage(self) -> bool:
         return self.coord.pp == self.layout.pp - 1
+
+
+STAGE_GROUPS = ("stage_activations", "stage_gradients")  # the pipeline's traffic, one group per direction
 
 
 def resolve_backend(backend: str) -> str:
@@ -124,6 +127,15 @@ def build_module_meshes(
                 if rank in members:
                     assert group is not None
                     mine[kind], mine_ranks[kind] = group, members
+        if layout.pp > 1:
+            # The stage links' own groups, one per direction and never shared: on NCCL a link's
+            # operations on one communicator run in order, so an activation send queued ahead of a
+            # gradient receive (and its mirror on the neighbour) would wait for each other.
+            for members in layout.groups(GROUP_AXES["pp"]):
+                for kind in STAGE_GROUPS:
+                    group = dist.new_group(list(members), timeout=timeout, sort_ranks=False)
+                    if rank in members:
+                        mine[kind], mine_ranks[kind] = group, members
         coord = layout.coord(rank)
         if coord is None:
             continue

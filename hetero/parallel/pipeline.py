@@ -4,9 +4,10 @@ point-to-point link between neighbouring stages of a module.
 A stage's order lists forwards ("F", i) and backwards ("B", i). Sends are asynchronous and receives
 block, so any order in which each stage runs F(i) after its predecessor's F(i) and B(i) after its
 successor's B(i) completes; the runtime's schedules check theirs (``hetero.runtime.schedule``). In 1F1B's
-steady state both neighbours send before they receive; NCCL runs a link's operations in order on one
-stream, so two unmatched sends facing each other would wait for ever once messages outgrow its buffers.
-There a stage posts its send and the receive that follows it as one batch (``send_and_recv``).
+steady state both neighbours send before they receive; NCCL runs a communicator's operations in order on
+one stream, so on one group two sends facing each other would each wait, behind its own send, for the
+other's receive once messages outgrow NCCL's buffers. Activations and gradients therefore travel on two
+groups (``mesh.STAGE_GROUPS``), each carrying one direction of a link: a receive never queues behind a send.
 """
 
 from __future__ import annotations
@@ -47,33 +48,23 @@ def schedule_actions(schedule: str, stage_index: int, num_stages: int, num_micro
 
 class StageLink:
     """Point-to-point traffic with one neighbouring stage's rank: sends posted without waiting (``finish``
-    waits for them), receives blocking. Both ends know each message's shape and dtype, so only the
-    payload travels; messages on a link arrive in the order they were sent."""
+    waits for them) on ``send_group``, receives blocking on ``recv_group``. Both ends know each message's
+    shape and dtype, so only the payload travels; messages on a link arrive in the order they were sent."""
 
-    def __init__(self, peer: int, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
-        self.peer, self.group, self.device = peer, group, torch.device(device)
+    def __init__(self, peer: int, send_group: dist.ProcessGroup | None = None,
+                 recv_group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
+        self.peer, self.send_group, self.recv_group, self.device = peer, send_group, recv_group, torch.device(device)
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # a send's tensor must outlive it
         self.sent_bytes = {"forward": 0, "backward": 0}
 
     def send(self, tensor: torch.Tensor, direction: str) -> None:
         tensor = tensor.detach().contiguous()
-        self._pending.append((dist.isend(tensor, dst=self.peer, group=self.group), tensor))
+        self._pending.append((dist.isend(tensor, dst=self.peer, group=self.send_group), tensor))
         self.sent_bytes[direction] += tensor.numel() * tensor.element_size()
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        dist.recv(buffer, src=self.peer, group=self.group)
-        return buffer
-
-    def send_and_recv(self, tensor: torch.Tensor, direction: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """``send`` then ``recv``, posted together so neither waits for the other."""
-        tensor = tensor.detach().contiguous()
-        buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.peer, self.group),
-                                        dist.P2POp(dist.irecv, buffer, self.peer, self.group)])
-        for work in works:  # on NCCL one work for both
-            work.wait()
-        self.sent_bytes[direction] += tensor.numel() * tensor.element_size()
+        dist.recv(buffer, src=self.peer, group=self.recv_group)
         return buffer
 
     def finish(self) -> None:

@@ -53,7 +53,6 @@ class Executor:
         self.outputs: dict[tuple[str, int], StageResult] = {}  # last stages' results, until their edges sent them
         self.output_grads: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
         self.results: dict[str, list[StageResult]] = defaultdict(list)  # last stages' results, for the step's end
-        self.prefetched: dict[tuple[str, int], torch.Tensor] = {}  # (module, m) -> what a paired receive got
         self.handlers = {"F": self.forward, "B": self.backward, "EF": self.edge_forward, "EB": self.edge_backward}
 
     def run(self, actions: list[Action]) -> None:
@@ -88,9 +87,7 @@ class Executor:
         data = {k: to_device(v, module.device) for k, v in host.items()}
         received = None
         if not mesh.is_first_stage:
-            received = self.prefetched.pop((name, m), None)
-            if received is None:
-                received = self.runtime.links[name].recv_activation(m, self._stage_shape(name, local))
+            received = self.runtime.links[name].recv_activation(m, self._stage_shape(name, local))
             received = received.detach().requires_grad_(self.training)
         step = StageStep(node.config, mesh, node.options, module.device, data,
                          host, local, self.arrivals.pop((name, m), []) if mesh.is_first_stage else [], received,
@@ -102,13 +99,7 @@ class Executor:
         if self.training:
             self.saved[(name, m)] = (received, result)
         if not mesh.is_last_stage:
-            links, activation = self.runtime.links[name], result.activation.detach()
-            paired = self._paired(name, "F", m)
-            if paired is None:
-                links.send_activation(m, activation)
-            else:  # its gradient comes over the same link next
-                shape = tuple(self.saved[(name, paired)][1].activation.shape)
-                self.prefetched[(name, paired)] = links.send_activation_recv_grad(m, activation, paired, shape)
+            self.runtime.links[name].send_activation(m, result.activation.detach())
         else:
             self.results[name].append(result)
             if self.graph.out_edges(name):
@@ -127,9 +118,7 @@ class Executor:
             module.replica_sync.final_backward_begins()  # the DP all-reduce starts from its gradient hooks
         upstream = None  # a later stage's gradient, received before the timer starts (waiting is not compute)
         if not mesh.is_last_stage:
-            upstream = self.prefetched.pop((name, m), None)
-            if upstream is None:
-                upstream = self.runtime.links[name].recv_grad(m, tuple(result.activation.shape))
+            upstream = self.runtime.links[name].recv_grad(m, tuple(result.activation.shape))
         with self.runtime.timer.timed(name), node.kind.compute(mesh):
             if mesh.is_last_stage:
                 tensors, grads = [], []
@@ -149,26 +138,11 @@ class Executor:
             module.replica_sync.final_backward_ends()
         if received is not None:
             grad = received.grad if received.grad is not None else torch.zeros_like(received)
-            links, paired = self.runtime.links[name], self._paired(name, "B", m)
-            if paired is None:
-                links.send_grad(m, grad)
-            else:  # its activation comes over the same link next
-                shape = self._stage_shape(name, self._local(name, paired))
-                self.prefetched[(name, paired)] = links.send_grad_recv_activation(m, grad, paired, shape)
+            self.runtime.links[name].send_grad(m, grad)
 
     def _stage_shape(self, name: str, local: torch.Tensor) -> tuple[int, ...]:
         node, mesh = self.graph.nodes[name], self.runtime.modules[name].mesh
         return node.kind.stage_shape(node.config, len(local), mesh.layout, node.options)
-
-    def _paired(self, name: str, op: str, m: int) -> int | None:
-        """The microbatch whose receive goes in one batch with this action's send (``paired_transfers``;
-        training only), unless this replica skips that action (no rows; the other side skips it too)."""
-        following = self.runtime.paired.get((op, name, m)) if self.training else None
-        if following is None:
-            return None
-        if op == "F":
-            return following if (name, following) in self.saved else None  # a skipped forward has no backward
-        return None if self._skips(name, self._local(name, following)) else following
 
     # -------------------------------------------------------------------------------------- edges
 

@@ -9,15 +9,18 @@ import torch
 from hetero.parallel.compression.edge import EdgeEnd
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 from hetero.parallel.compression.payload import pack, unpack
-from hetero.parallel.mesh import ModuleMesh
+from hetero.parallel.mesh import STAGE_GROUPS, ModuleMesh
 from hetero.parallel.pipeline import StageLink
 
 
 class StageLinks:
     def __init__(self, mesh: ModuleMesh, compression: EdgeCompressionConfig, device: torch.device):
         layout, coord = mesh.layout, mesh.coord
-        self.previous = StageLink(layout.rank_at(coord._replace(pp=coord.pp - 1)), device=device) if coord.pp > 0 else None
-        self.next = (StageLink(layout.rank_at(coord._replace(pp=coord.pp + 1)), device=device)
+        activations, gradients = (mesh.groups.get(kind) for kind in STAGE_GROUPS)
+        # activations go to the next stage and gradients to the previous one, each on its own group
+        self.previous = (StageLink(layout.rank_at(coord._replace(pp=coord.pp - 1)), gradients, activations, device)
+                         if coord.pp > 0 else None)
+        self.next = (StageLink(layout.rank_at(coord._replace(pp=coord.pp + 1)), activations, gradients, device)
                      if coord.pp < layout.pp - 1 else None)
         self.ends: dict[str, EdgeEnd] = {}  # "previous" / "next": this rank's ends of compressed stage edges
         if compression.enabled and layout.pp > 1:
@@ -48,21 +51,6 @@ class StageLinks:
 
     def send_grad(self, m: int, grad: torch.Tensor) -> None:
         self.previous.send(self._outgoing("previous", "backward", m, grad), "backward")
-
-    def send_activation_recv_grad(self, m: int, x: torch.Tensor, grad_m: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """Microbatch ``m``'s activation to the next stage and microbatch ``grad_m``'s gradient (``shape``)
-        from it, in one batch (1F1B's steady state)."""
-        payload = self._outgoing("next", "forward", m, x)
-        buffer = self.next.send_and_recv(payload, "forward", *self._incoming("next", "backward", shape))
-        return self._decode("next", "backward", grad_m, buffer, shape)
-
-    def send_grad_recv_activation(self, m: int, grad: torch.Tensor, activation_m: int,
-                                  shape: tuple[int, ...]) -> torch.Tensor:
-        """Microbatch ``m``'s input gradient to the previous stage and microbatch ``activation_m``'s
-        activation (``shape``) from it, in one batch."""
-        payload = self._outgoing("previous", "backward", m, grad)
-        buffer = self.previous.send_and_recv(payload, "backward", *self._incoming("previous", "forward", shape))
-        return self._decode("previous", "forward", activation_m, buffer, shape)
 
     def _end(self, side: str) -> EdgeEnd | None:
         return self.ends.get(side) if self.compressed else None

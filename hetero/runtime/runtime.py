@@ -29,7 +29,7 @@ from hetero.runtime.executor import Executor, RuntimeEdge
 from hetero.runtime.links import StageLinks
 from hetero.runtime.module import ModuleState
 from hetero.runtime.rows import StepRows
-from hetero.runtime.schedule import check_schedule, paired_transfers
+from hetero.runtime.schedule import check_schedule
 from hetero.runtime.timing import ModuleTimer
 
 
@@ -60,9 +60,7 @@ class Runtime:
         self.edges = {e.name: RuntimeEdge(e, graph, timeout_s, async_sends, self.device) for e in graph.edges}
         self.links = {name: StageLinks(module.mesh, module.node.settings.compression.pipeline, self.device)
                       for name, module in self.modules.items()}
-        schedules = {training: check_schedule(graph, microbatches, training) for training in (True, False)}
-        self.actions = {training: lists[self.rank] for training, lists in schedules.items()}
-        self.paired = paired_transfers(graph, schedules[True], self.rank)  # 1F1B's batched send + receive
+        self.actions = {training: check_schedule(graph, microbatches, training)[self.rank] for training in (True, False)}
         # each module's last backward on this rank in a training step (its gradients are final after it)
         self.final_backward = {a.target: a.microbatch for a in self.actions[True] if a.op == "B"}
         self.step = 0

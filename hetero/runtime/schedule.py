@@ -267,33 +267,6 @@ class _Progress:
                 )
 
 
-def paired_transfers(graph: Graph, lists: dict[int, list[Action]], rank: int) -> dict[tuple[str, str, int], int]:
-    """Where ``rank`` posts a stage send and the next receive over the same link in one batch: keyed by
-    (op, module, microbatch) of the sending action, the microbatch of the receiving one. A forward
-    followed by the same module's backward (activation out, gradient in) pairs when the next stage's
-    rank runs those two backward-then-forward, adjacent too, and the reverse likewise: 1F1B's steady
-    state. Only pairs matched on both sides are safe on NCCL, which completes a batch as a whole: one
-    side's batch would otherwise wait for a receive the other posts only after other work."""
-
-    def adjacent(ranks_list: list[Action]) -> set[tuple[str, str, int, int]]:
-        return {(a.op, a.target, a.microbatch, b.microbatch) for a, b in zip(ranks_list, ranks_list[1:])
-                if a.target == b.target and {a.op, b.op} == {"F", "B"}}
-
-    pairs: dict[tuple[str, str, int], int] = {}
-    mine = adjacent(lists[rank])
-    for op, name, sent, received in mine:
-        layout = graph.nodes[name].layout
-        coord = layout.coord(rank)
-        peer_pp = coord.pp + 1 if op == "F" else coord.pp - 1
-        if not 0 <= peer_pp < layout.pp:
-            continue
-        peer = layout.rank_at(coord._replace(pp=peer_pp))
-        other = "B" if op == "F" else "F"
-        if (other, name, received, sent) in adjacent(lists[peer]):
-            pairs[(op, name, sent)] = received
-    return pairs
-
-
 def check_schedule(graph: Graph, microbatches: int, training: bool) -> dict[int, list[Action]]:
     """Every rank's actions, checked (``check_actions``)."""
     lists = schedule_lists(graph, microbatches, training)

@@ -3,7 +3,7 @@
 No global parallel state: each module gets a ``ModuleMesh`` holding its own groups, so modules with
 different layouts coexist in one process. Every group of every module is created on every rank, in
 one deterministic order (torch requires it: a group created on only some ranks hangs the others), and
-identical rank sets share one group, except the stage links' groups (one per direction, each module's own).
+identical rank sets share one group, except each module's own gradient-sync and stage-link groups.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class ModuleMesh:
     layout: Layout
     coord: Coord
     mesh: DeviceMesh  # dims named ("pp", "dp", "cp", "tp"), tp innermost
-    groups: dict[str, dist.ProcessGroup]  # "tp", "cp", "dp", "pp", "dp_cp"; under pp > 1 also STAGE_GROUPS
+    groups: dict[str, dist.ProcessGroup]  # "tp", "cp", "dp", "pp", "dp_cp"; "grad_sync" (dp·cp > 1); STAGE_GROUPS (pp > 1)
     group_ranks: dict[str, tuple[int, ...]]  # global ranks of each group, in group-rank order
 
     def group(self, kind: str) -> dist.ProcessGroup:
@@ -136,6 +136,14 @@ def build_module_meshes(
                     group = dist.new_group(list(members), timeout=timeout, sort_ranks=False)
                     if rank in members:
                         mine[kind], mine_ranks[kind] = group, members
+        if layout.dp * layout.cp > 1:
+            # The gradient sync's own groups: its buckets leave during the backward, while CP attention
+            # still exchanges K/V on the cp group (the same ranks when dp=1) and other modules' syncs run
+            # on groups of the same ranks; sharing one, two ranks could post them in different orders.
+            for members in layout.groups(GROUP_AXES["dp_cp"]):
+                group = dist.new_group(list(members), timeout=timeout, sort_ranks=False)
+                if rank in members:
+                    mine["grad_sync"], mine_ranks["grad_sync"] = group, members
         coord = layout.coord(rank)
         if coord is None:
             continue

@@ -50,7 +50,7 @@ class ReplicaSync:
             comm = outer_comm or GroupCollective(mesh.group("dp_cp"))  # type: ignore[union-attr]
             self.diloco = build_diloco(self.compression, model.named_parameters(), comm, seed)
         elif self.replicas > 1 and not options.fsdp:
-            comm = GroupCollective(mesh.group("dp_cp"))  # type: ignore[union-attr]
+            comm = GroupCollective(mesh.group("grad_sync"))  # type: ignore[union-attr]
             bucket_bytes = int(options.grad_bucket_mb * 2**20)
             self.grad_sync = build_grad_sync(self.compression.grad, model.named_parameters(), comm, bucket_bytes, seed,
                                              REDUCE_DTYPES[options.reduce_precision], before_launch)

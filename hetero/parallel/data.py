@@ -80,6 +80,20 @@ class GradSync(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+class AfterBackwardSync:
+    """A gradient sync that runs whole at ``sync`` (a compressed one: its codecs need every gradient), so
+    there is nothing to start during the backward and nothing in flight to finish."""
+
+    def arm(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass
+
+
 class AllReduceGradSync:
     """Sum gradients over ``group`` in flat buckets of at most ``bucket_bytes`` (one dtype per bucket).
 

@@ -21,10 +21,10 @@ from torch import nn
 
 from hetero.parallel.compression.codecs import Codec
 from hetero.parallel.compression.collective import Collective
-from hetero.parallel.data import bucketed, local_grad, split_like
+from hetero.parallel.data import AfterBackwardSync, bucketed, local_grad, split_like
 
 
-class CompressedGradSync:
+class CompressedGradSync(AfterBackwardSync):
     def __init__(
         self,
         named_params: Iterable[tuple[str, nn.Parameter]],
@@ -44,15 +44,6 @@ class CompressedGradSync:
     @property
     def bytes_sent(self) -> int:
         return self.comm.bytes_sent
-
-    def arm(self) -> None:
-        pass  # compresses whole buckets after the backward (its codecs need every gradient)
-
-    def flush(self) -> None:
-        pass
-
-    def discard(self) -> None:
-        pass  # nothing in flight
 
     def sync(self) -> None:
         named = [(name, g) for name, g in ((n, local_grad(p)) for n, p in self.params.items()) if g is not None]

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from hetero.parallel.compression.collective import Collective
-from hetero.parallel.data import local_grad, split_like
+from hetero.parallel.data import AfterBackwardSync, local_grad, split_like
 
 
-class PowerSGDGradSync:
+class PowerSGDGradSync(AfterBackwardSync):
     def __init__(
         self,
         named_params: Iterable[tuple[str, nn.Parameter]],
@@ -49,15 +49,6 @@ class PowerSGDGradSync:
             return False
         m, n = grad.shape[0], grad[0].numel()
         return (m + n) * self.rank < m * n
-
-    def arm(self) -> None:
-        pass  # compresses whole buckets after the backward (its codecs need every gradient)
-
-    def flush(self) -> None:
-        pass
-
-    def discard(self) -> None:
-        pass  # nothing in flight
 
     def sync(self) -> None:
         grads = {n: g for n, g in ((n, local_grad(p)) for n, p in self.params.items()) if g is not None}

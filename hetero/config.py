@@ -124,7 +124,8 @@ class ExperimentConfig:
     name: str = "experiment"
     world_size: int | None = None
     placement: str = "auto"  # auto | colocated | non_colocated
-    schedule: str = "auto"  # auto (graph_1f1b when no two modules share a rank, else phased) | phased | graph_1f1b (any placement)
+    # auto (phased where every module spans the same ranks and none pipelines, else graph_1f1b) | phased | graph_1f1b
+    schedule: str = "auto"
     backend: str = "auto"  # auto (nccl on GPUs, else gloo) | gloo | nccl
     timeout_s: float = 300.0  # every collective and process-group setup fails after this
     seed: int = 0

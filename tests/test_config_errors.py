@@ -368,6 +368,8 @@ def graph_with(change):
         (lambda raw: raw["llm"]["model"].update(seq_len=2),
          r"llm's placeholders end at position 4 .* beyond llm\.model\.seq_len=2"),
         (lambda raw: raw.update(schedule="interleaved"), r"schedule='interleaved' is not one of auto, phased, graph_1f1b"),
+        (lambda raw: raw.update(schedule="bubble_fill"),
+         r"schedule='bubble_fill': bubble filling is what schedule=graph_1f1b does .*; set schedule=graph_1f1b"),
         (lambda raw: raw["vision"].update(layout={"tp": 2}, micro_batch_size=2, parallel={"sequence_parallel": True}),
          r"edges\[0\] \(vision -> llm\): vision's output embeddings is whole on every rank, so vision runs with cp=1 "
          r"and sequence_parallel=false here \(got vision\.layout\.cp=1, vision\.parallel\.sequence_parallel=true\)"),
@@ -379,7 +381,7 @@ def graph_with(change):
     ],
     ids=["an edge from a module without outputs", "a self-edge", "a condition nothing feeds", "a module no edge reaches",
          "an unknown output port", "a duplicate edge", "two edges into one condition", "placeholders past the sequence",
-         "an unknown schedule", "an encoder under sequence parallelism at an edge",
+         "an unknown schedule", "bubble filling by another name", "an encoder under sequence parallelism at an edge",
          "a compressed edge into a context-parallel LLM"],
 )
 def test_a_graph_that_cannot_run_is_refused_naming_the_fix(change, message):

@@ -1,7 +1,8 @@
 """A graph the earlier trainers could not express: one encoder feeding two consumers. A vision encoder's
 embeddings go to an LLM and to a second, smaller LLM (a captioner), each with its own loss and weight; the
-encoder learns from the gradients both return, summed. Two placements: colocated (phased) and every module
-on its own ranks (one pipeline over the graph, fanning out from the encoder's stage). Against one process
+encoder learns from the gradients both return, summed. Two placements: shared ranks (the captioner on
+half of them), under either schedule, and every module on its own ranks (one pipeline over the graph,
+fanning out from the encoder's stage). Against one process
 running the three modules: per step the combined loss, each module's loss and the gradient norm, every
 replica's gradients at the first step (``hetero.testing.parity``)."""
 
@@ -60,30 +61,30 @@ def reference() -> Record:
     return record_reference(modules, OPTIM, batches(), losses, CLIP)
 
 
-def train(rank, world_size, layouts, microbatches):
+def train(rank, world_size, layouts, microbatches, schedule):
     kinds = {"vision": ("vit", VISION), "llm": ("gpt", LLM), "captioner": ("gpt", CAPTIONER)}
     modules = {name: module(kind, config, layouts[name], OPTIM[name],
                             **({"loss_weight": WEIGHTS[name]} if name in WEIGHTS else {}))
                for name, (kind, config) in kinds.items()}
     config = experiment(world_size, modules, edges=[("vision", "llm"), ("vision", "captioner")],
-                        global_batch=BATCH, microbatches=microbatches, grad_clip=CLIP)
+                        global_batch=BATCH, microbatches=microbatches, grad_clip=CLIP, schedule=schedule)
     runtime = build_runtime(config)
     return record_run(runtime, batches(), ("loss", "llm.loss", "captioner.loss")), runtime.graph.schedule
 
 
-CASES = {
-    "shared ranks: vision dp4 and llm tp2·dp2 on 0-3, captioner dp2 on 0-1": (
-        {"vision": {"dp": 4}, "llm": {"tp": 2, "dp": 2}, "captioner": {"dp": 2, "pp": 1, "ranks": [0, 1]}},
-        4, 2, "phased"),
+SHARED = {"vision": {"dp": 4}, "llm": {"tp": 2, "dp": 2}, "captioner": {"dp": 2, "pp": 1, "ranks": [0, 1]}}
+CASES = {  # layouts, world size, microbatches, schedule asked for, schedule run
+    "shared ranks: vision dp4 and llm tp2·dp2 on 0-3, captioner dp2 on 0-1, phased": (SHARED, 4, 2, "phased", "phased"),
+    "the same, auto (one 1F1B over the graph: the captioner's ranks are not all)": (SHARED, 4, 2, "auto", "graph_1f1b"),
     "each on its own ranks: vision (0), llm pp2 (1-2), captioner (3)": (
         {"vision": {"dp": 1}, "llm": {"pp": 2, "dp": 1, "offset": 1}, "captioner": {"dp": 1, "offset": 3}},
-        4, 4, "graph_1f1b"),
+        4, 4, "auto", "graph_1f1b"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_encoder_feeding_two_consumers_trains_with_parity(case):
-    layouts, world_size, microbatches, schedule = CASES[case]
-    results = run_ranks(train, world_size, layouts, microbatches, timeout_s=300)
+    layouts, world_size, microbatches, asked, schedule = CASES[case]
+    results = run_ranks(train, world_size, layouts, microbatches, asked, timeout_s=300)
     assert {s for _, s in results} == {schedule}
     print("\n" + check_parity([r for r, _ in results], reference(), f"fan-out {case}"))

@@ -174,3 +174,33 @@ def test_compressed_edges_shrink_boundary_and_stage_traffic():
     plain = model.module_cost(workload.llm, choice, 16)
     compressed = model.module_cost(workload.llm, choice, 16, hop_element_bytes=workload.stage_element_bytes)
     assert compressed.pp_s < plain.pp_s
+
+
+def test_two_encoders_on_their_own_ranks_and_both_schedules_priced():
+    """Non-colocated plans with two encoders (sharing their ranks, taking turns) against the LLM on the
+    rest: one 1F1B over the graph prices the slower side plus the faster side's share of one microbatch;
+    a configured ``phased`` schedule prices both sides in turn."""
+    import dataclasses
+
+    experiment, cluster = load_experiment("vlm_7b"), load_cluster("h100_64")
+    workload = workload_of(experiment)
+    workload.encoders["sketch"] = dataclasses.replace(workload.encoders["vision"], name="sketch")
+    workload.per_sequence["sketch"], workload.grad_ratio["sketch"] = 0.5, 1.0
+    plans = Planner(cluster, workload).plans()["non_colocated"]
+    assert plans
+    for plan in plans[:5]:
+        assert set(plan.ranks) == {"vision", "sketch", "llm"} and plan.ranks["vision"] == plan.ranks["sketch"]
+        assert plan.ranks["vision"] + plan.ranks["llm"] == 64
+        sides = [plan.costs["vision"].step_s + plan.costs["sketch"].step_s, plan.costs["llm"].step_s]
+        expected = max(sides) + min(sides) / plan.costs["llm"].microbatches + plan.boundary_s
+        assert plan.step_s == pytest.approx(expected)
+
+    small = ClusterSpec(nodes=1, gpus_per_node=8, device=DeviceSpec(activation_bytes=4, precision="fp32"))
+    steps = {}
+    for schedule in ("phased", "graph_1f1b"):
+        configured = load_experiment("non_colocated_vlm", [f"schedule={schedule}"])
+        plan = predict_configured(configured, build_graph(configured).placement, small)
+        steps[schedule] = plan.step_s
+        if schedule == "phased":
+            assert plan.step_s == pytest.approx(plan.costs["vision"].step_s + plan.costs["llm"].step_s + plan.boundary_s)
+    assert steps["graph_1f1b"] < steps["phased"]

@@ -1,8 +1,12 @@
 """Schedules as data: a pipeline stage's order, and the runtime's per-rank action lists for module graphs,
 checked before any message (pairing of every edge's calls on both sides, replicas in step, no deadlock)."""
 
+import random
+from dataclasses import replace
+
 import pytest
 
+from hetero.errors import ConfigError
 from hetero.graph import build_graph
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.video.config import VideoConfig
@@ -69,6 +73,17 @@ def test_the_phased_schedule_meets_the_edges_in_one_order_on_every_rank():
         "F:vision:0 F:vision:1 EF:vision->llm:0 EF:vision->llm:1 F:llm:0 F:llm:1")
 
 
+@pytest.mark.parametrize("layouts,world,schedule", [
+    ({"vision": {"dp": 2}, "llm": {"dp": 2}}, 2, "phased"),  # colocated, nothing pipelined: no idle rank
+    ({"vision": {"dp": 2}, "llm": {"pp": 2, "dp": 1}}, 2, "graph_1f1b"),  # the encoder fills the bubbles
+    ({"vision": {"dp": 1}, "llm": {"dp": 1, "offset": 1}}, 2, "graph_1f1b"),  # disjoint
+    ({"vision": {"dp": 4}, "llm": {"dp": 2, "offset": 2}}, 4, "graph_1f1b"),  # mixed
+])
+def test_auto_picks_phased_only_where_no_rank_would_idle(layouts, world, schedule):
+    assert vlm(layouts, world).schedule == schedule
+    assert vlm(layouts, world, schedule="phased").schedule == "phased"
+
+
 def graph_1f1b(llm_schedule="1f1b"):
     """vision (rank 0) -> llm pp2 (ranks 1-2) -> video (rank 3), every module on its own ranks."""
     modules = {"vision": module("vit", VISION, {"dp": 1}),
@@ -111,3 +126,38 @@ def test_a_schedule_that_would_deadlock_is_refused_before_any_message():
     lists[2] = gpipe[2]
     with pytest.raises(ScheduleError, match="deadlocks: each rank waits at its next action: rank 0: .*rank 1: B llm 0; rank 2: F llm 3"):
         check_actions(graph, lists)
+
+
+def random_layouts(rng, world: int) -> dict[str, dict] | None:
+    """A layout per module of the four-module graph: a random run of ranks each (the LLM's pipelined),
+    None where the runs leave a rank without a module."""
+    layouts = {}
+    for name in ("vision", "dna", "llm", "video"):
+        size = rng.choice([d for d in (1, 2, 4, 8) if d <= world])
+        pp = rng.choice([p for p in (1, 2, 4) if p <= size]) if name == "llm" else 1
+        layouts[name] = {"dp": size // pp, "pp": pp, "offset": rng.randrange(world - size + 1), "size": size}
+    covered = set().union(*(range(lay["offset"], lay["offset"] + lay["size"]) for lay in layouts.values()))
+    return layouts if covered == set(range(world)) else None
+
+
+def test_the_graph_1f1b_finds_an_order_on_any_placement():
+    """Random placements of vision, dna, llm (pipelined) and video over 2-8 ranks, partly shared, partly
+    not, 1-8 microbatches: both schedules find lists that pair and do not deadlock, training and evaluating
+    (an earlier merge let two ranks wait in two edge calls, each for the other: on dna_vlm, the colocated
+    full graph and most random placements)."""
+    from test_graph_parity import graph_experiment
+
+    rng, checked = random.Random(0), 0
+    while checked < 60:
+        world, microbatches = rng.choice([2, 4, 8]), rng.choice([1, 2, 4, 8])
+        layouts = random_layouts(rng, world)
+        if layouts is None:
+            continue
+        try:
+            graph = build_graph(graph_experiment(world, layouts, 16, microbatches, {}, "graph_1f1b"))
+        except ConfigError:  # e.g. rows that do not split over a module's replicas
+            continue
+        for training in (True, False):
+            check_schedule(graph, microbatches, training)
+            check_schedule(replace(graph, schedule="phased"), microbatches, training)
+        checked += 1

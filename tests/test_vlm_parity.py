@@ -71,8 +71,9 @@ def vlm_experiment(world_size, layouts, global_batch, microbatches, options=None
 
 def train(rank, world_size, layouts, global_batch, microbatches, options=None, steps=STEPS, schedule="auto"):
     runtime = build_runtime(vlm_experiment(world_size, layouts, global_batch, microbatches, options, schedule))
-    disjoint = not set(runtime.graph.nodes["vision"].layout.ranks) & set(runtime.graph.nodes["llm"].layout.ranks)
-    assert runtime.graph.schedule == ("graph_1f1b" if disjoint else "phased") if schedule == "auto" else schedule
+    vision, llm = (runtime.graph.nodes[name].layout for name in ("vision", "llm"))
+    idle_ranks = set(vision.ranks) != set(llm.ranks) or llm.pp > 1  # auto runs phased only without them
+    assert runtime.graph.schedule == ("graph_1f1b" if idle_ranks else "phased") if schedule == "auto" else schedule
     return record_run(runtime, batches(global_batch)[:steps])
 
 

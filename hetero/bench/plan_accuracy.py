@@ -33,9 +33,15 @@ CONFIGS = {
     "colocated: vision dp2, llm dp2": [
         "vision.layout.dp=2", "llm.layout.tp=1", "llm.layout.dp=2", "batch.micro_batch_size=8", "vision.micro_batch_size=8",
     ],
-    "non-colocated: vision rank 0, llm rank 1": [
+    "non-colocated: vision rank 0, llm rank 1, phased": [
         "placement=non_colocated", "vision.layout.dp=1", "vision.layout.offset=0", "llm.layout.tp=1",
-        "llm.layout.dp=1", "llm.layout.offset=1", "batch.micro_batch_size=8", "vision.micro_batch_size=8",
+        "llm.layout.dp=1", "llm.layout.offset=1", "batch.micro_batch_size=4", "vision.micro_batch_size=4",
+        "schedule=phased",
+    ],
+    "non-colocated: vision rank 0, llm rank 1, graph_1f1b": [
+        "placement=non_colocated", "vision.layout.dp=1", "vision.layout.offset=0", "llm.layout.tp=1",
+        "llm.layout.dp=1", "llm.layout.offset=1", "batch.micro_batch_size=4", "vision.micro_batch_size=4",
+        "schedule=graph_1f1b",
     ],
     "colocated: vision dp2, llm tp2": [
         "vision.layout.dp=2", "llm.layout.tp=2", "llm.layout.dp=1", "batch.micro_batch_size=16", "vision.micro_batch_size=8",

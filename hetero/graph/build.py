@@ -14,7 +14,7 @@ from hetero.graph.graph import Edge, Graph, Node
 from hetero.kinds import default_registry
 from hetero.kinds.registry import KindRegistry
 from hetero.parallel.sharding import Sharding
-from hetero.parallel.placement import place
+from hetero.parallel.placement import Placement, place
 
 SCHEDULES = ("auto", "phased", "graph_1f1b")
 
@@ -45,7 +45,7 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
     if errors:
         raise ConfigError("\n".join(errors))
     _check_connected(nodes, edges)
-    schedule = _schedule(experiment, placement)
+    schedule = resolve_schedule(experiment, placement)
     return Graph(nodes, tuple(edges), order, placement, schedule)
 
 
@@ -69,6 +69,9 @@ def _check_names(experiment: ExperimentConfig, registry: KindRegistry) -> None:
         raise ConfigError(f"backend={experiment.backend!r} is not one of auto, gloo, nccl")
     if experiment.timeout_s <= 0:
         raise ConfigError(f"timeout_s={experiment.timeout_s} must be > 0")
+    if experiment.schedule == "bubble_fill":
+        raise ConfigError("schedule='bubble_fill': bubble filling is what schedule=graph_1f1b does where modules "
+                          "share ranks with a pipelined one (auto picks it there); set schedule=graph_1f1b")
     if experiment.schedule not in SCHEDULES:
         raise ConfigError(f"schedule={experiment.schedule!r} is not one of {', '.join(SCHEDULES)}")
 
@@ -245,7 +248,9 @@ def _check_connected(nodes: dict[str, Node], edges: list[Edge]) -> None:
         )
 
 
-def _schedule(experiment: ExperimentConfig, placement) -> str:
-    if experiment.schedule == "auto":
-        return "graph_1f1b" if placement.mode == "non_colocated" and len(placement.layouts) > 1 else "phased"
+def resolve_schedule(experiment: ExperimentConfig, placement: Placement) -> str:
+    """The schedule ``experiment`` runs on ``placement``: what it asks for, or what ``auto`` picks."""
+    if experiment.schedule == "auto":  # phased only where there is no idle rank to fill
+        pipelined = any(layout.pp > 1 for layout in placement.layouts.values())
+        return "graph_1f1b" if placement.mode != "colocated" or pipelined else "phased"
     return experiment.schedule

@@ -9,9 +9,10 @@ Three placement modes over the same world of N devices:
   fills the LLM pipeline's warm-up and cool-down bubbles, (pp - 1) slots of its slowest stage on every
   rank, except one microbatch of each encoder, which runs before the LLM's first forward and after its
   last backward; encoder activations stay alive for a pipeline's depth of microbatches, not all;
-- non-colocated: encoders on their own ranks, the LLM on the rest; the graph runs as a pipeline, so a
-  step takes the slower side plus the faster side's share of one microbatch (fill and drain), plus the
-  boundary transfer.
+- non-colocated: the encoders on ranks of their own (together, taking turns, when several), the LLM on
+  the rest; the graph runs as one pipeline, so a step takes the slower side plus the faster side's share
+  of one microbatch (fill and drain), plus the boundary transfer (``predict_configured`` also prices a
+  configured ``phased`` schedule there: both sides in turn).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 from hetero.config import ExperimentConfig
 from hetero.errors import ConfigError
+from hetero.graph.build import resolve_schedule
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
 from hetero.parallel.compression.edge_config import ActivationCodecConfig, EdgeCompressionConfig
 from hetero.parallel.placement import Placement
@@ -270,26 +272,26 @@ class Planner:
         return [p for p in plans if p.mode == mode]
 
     def non_colocated(self, world: int, keep: int = 8) -> list[Plan]:
-        """Encoders on ranks 0..e-1, the LLM on the rest, for every split e (the LLM's ``keep`` fastest
-        layouts on its share)."""
-        if len(self.workload.encoders) != 1:
-            return []  # one encoder against the LLM; more would split the world three ways
-        (name,) = self.workload.encoders
+        """The encoders on ranks 0..e-1 (together, when several), the LLM on the rest, for every split e
+        (the LLM's ``keep`` fastest layouts on its share), under one 1F1B over the graph."""
+        if not self.workload.encoders:
+            return []
         llm, plans = self.workload.llm, []
         usable = self.model.device.usable_memory * self.model.device.memory_gib * GIB
         for encoder_ranks in range(1, world):
             for choice, cost in self._llm_options(world - encoder_ranks, keep):
-                # A graph pipeline: the encoder is stage 0 of 1 + pp stages under 1F1B.
-                picks = self._paired(choice, cost, {name: encoder_ranks}, choice.pp + 1, usable)
+                # A graph pipeline: the encoders are stage 0 of 1 + pp stages under 1F1B.
+                picks = self._paired(choice, cost, dict.fromkeys(self.workload.encoders, encoder_ranks),
+                                     choice.pp + 1, usable)
                 if picks is None:
                     continue
-                encoder_choice, encoder_cost = picks[name]
-                times = sorted([encoder_cost.step_s, cost.step_s])
+                encoder_side = sum(c.step_s for _, c in picks.values())  # encoders sharing ranks take turns
                 boundary = self._boundary_s(encoder_ranks, world - encoder_ranks)
-                step = times[1] + times[0] / cost.microbatches + boundary
-                plans.append(Plan("non_colocated", {name: encoder_ranks, llm.name: world - encoder_ranks},
-                                  {name: encoder_choice, llm.name: choice}, {name: encoder_cost, llm.name: cost},
-                                  step, max(encoder_cost.memory_gib, cost.memory_gib), boundary,
+                step = graph_pipeline_s([encoder_side, cost.step_s], cost.microbatches) + boundary
+                ranks = dict.fromkeys(picks, encoder_ranks) | {llm.name: world - encoder_ranks}
+                plans.append(Plan("non_colocated", ranks, {n: c for n, (c, _) in picks.items()} | {llm.name: choice},
+                                  {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, step,
+                                  max(sum(c.memory_gib for _, c in picks.values()), cost.memory_gib), boundary,
                                   self.workload.model_flops, world))
         return sorted(plans, key=lambda plan: plan.step_s)
 
@@ -305,6 +307,13 @@ class Planner:
         colocated = self.colocated(world)
         return {"homogeneous": self.homogeneous(world), "colocated": self.plans_of("colocated", colocated),
                 "colocated_1f1b": self.plans_of("colocated_1f1b", colocated), "non_colocated": self.non_colocated(world)}
+
+
+def graph_pipeline_s(sides: list[float], microbatches: int) -> float:
+    """A step of disjoint sets of ranks chained by one 1F1B over the graph (each side's step time given):
+    the slowest side's step, plus every other side's share of one microbatch (filling and draining)."""
+    slowest = max(sides)
+    return slowest + (sum(sides) - slowest) / microbatches
 
 
 def phased_colocated_s(llm: ModuleCost, encoders: list[ModuleCost]) -> float:
@@ -385,19 +394,23 @@ def predict_configured(experiment: ExperimentConfig, placement: Placement, clust
     world = placement.world_size
     if relations <= {"colocated"}:
         boundary = planner._boundary_s(world, world) if workload.encoders else 0.0
-        one_1f1b = experiment.schedule == "graph_1f1b"
+        one_1f1b = resolve_schedule(experiment, placement) == "graph_1f1b"
         encoders = [costs[n] for n in workload.encoders]
         step = (graph_1f1b_colocated_s if one_1f1b else phased_colocated_s)(costs[llm], encoders) + boundary
         mode = "colocated_1f1b" if one_1f1b else "colocated"
-    elif relations == {"disjoint"} and len(workload.encoders) == 1:
-        (name,) = workload.encoders
-        boundary = planner._boundary_s(ranks[name], ranks[llm])
-        times = sorted([costs[name].step_s, costs[llm].step_s])
-        step = times[1] + times[0] / costs[llm].microbatches + boundary
+    elif relations == {"disjoint"} and len({placement.layouts[n].ranks for n in workload.encoders}) == 1:
+        encoder_ranks = ranks[next(iter(workload.encoders))]
+        boundary = planner._boundary_s(encoder_ranks, ranks[llm])
+        sides = [sum(costs[n].step_s for n in workload.encoders), costs[llm].step_s]  # encoders take turns
+        if resolve_schedule(experiment, placement) == "phased":  # each side waits out the other's whole step
+            step = sum(sides) + boundary
+        else:
+            step = graph_pipeline_s(sides, costs[llm].microbatches) + boundary
         mode = "non_colocated"
     else:
         raise ConfigError(
-            "hetero plan predicts colocated placements and one encoder on ranks disjoint from the LLM's; "
+            "hetero plan predicts colocated placements and encoders that share one set of ranks disjoint from "
+            "the LLM's; "
             f"this experiment's encoders relate to the LLM as {sorted(relations)}"
         )
     memory = max(sum(costs[n].memory_bytes for n in placement.modules_on(r)) for r in range(world))

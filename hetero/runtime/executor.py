@@ -22,6 +22,7 @@ Build every edge on every rank, in the graph's edge order.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -54,10 +55,15 @@ class Executor:
         self.output_grads: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
         self.results: dict[str, list[StageResult]] = defaultdict(list)  # last stages' results, for the step's end
         self.handlers = {"F": self.forward, "B": self.backward, "EF": self.edge_forward, "EB": self.edge_backward}
+        self.trace = runtime.trace if training else None
+
+    def _traced(self, name: str, category: str):
+        return self.trace.span(name, category) if self.trace is not None else contextlib.nullcontext()
 
     def run(self, actions: list[Action]) -> None:
         for action in actions:
-            self.handlers[action.op](action.target, action.microbatch)
+            with self._traced(str(action), "action"):
+                self.handlers[action.op](action.target, action.microbatch)
         for edge in self.runtime.edges.values():
             edge.wait_sends()
         for links in self.runtime.links.values():
@@ -92,9 +98,9 @@ class Executor:
         step = StageStep(node.config, mesh, node.options, module.device, data,
                          host, local, self.arrivals.pop((name, m), []) if mesh.is_first_stage else [], received,
                          self.training, self.step, self.runtime.seed)
-        bf16 = node.options.precision == "bf16"
-        with self.runtime.timer.timed(name), node.kind.compute(mesh), torch.set_grad_enabled(self.training), \
-                torch.autocast(module.device.type, dtype=torch.bfloat16, enabled=bf16):
+        autocast = torch.autocast(module.device.type, dtype=torch.bfloat16, enabled=node.options.precision == "bf16")
+        with self._traced(name, "compute"), self.runtime.timer.timed(name), node.kind.compute(mesh), \
+                torch.set_grad_enabled(self.training), autocast:
             result = node.kind.stage(module.model, step)
         if self.training:
             self.saved[(name, m)] = (received, result)
@@ -119,7 +125,7 @@ class Executor:
         upstream = None  # a later stage's gradient, received before the timer starts (waiting is not compute)
         if not mesh.is_last_stage:
             upstream = self.runtime.links[name].recv_grad(m, tuple(result.activation.shape))
-        with self.runtime.timer.timed(name), node.kind.compute(mesh):
+        with self._traced(name, "compute"), self.runtime.timer.timed(name), node.kind.compute(mesh):
             if mesh.is_last_stage:
                 tensors, grads = [], []
                 if result.loss is not None and node.kind.has_loss(node.config):

@@ -15,6 +15,7 @@ by its ``loss_weight``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 
@@ -31,6 +32,7 @@ from hetero.runtime.module import ModuleState
 from hetero.runtime.rows import StepRows
 from hetero.runtime.schedule import check_schedule
 from hetero.runtime.timing import ModuleTimer
+from hetero.runtime.trace import StepTrace
 
 
 class Runtime:
@@ -66,12 +68,29 @@ class Runtime:
         self.step = 0
         self.nonfinite: dict[str, list[int]] = {}  # the last step's, when it was skipped
         self.timer = ModuleTimer(graph.nodes, self.device)  # this rank's compute time per module
+        self.trace: StepTrace | None = None
+
+    def start_trace(self) -> StepTrace:
+        """Record a timeline of every training step from now on (``trace.py``); ``stop_trace`` ends it."""
+        self.trace = StepTrace(self.rank)
+        return self.trace
+
+    def stop_trace(self) -> StepTrace | None:
+        trace, self.trace = self.trace, None
+        return trace
+
+    def _span(self, name: str):
+        return self.trace.span(name, "step_end") if self.trace is not None else contextlib.nullcontext()
 
     # ----------------------------------------------------------------------------------- a step
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on the global batch: the combined loss, each module's loss and parts
         (``<module>.loss``, ``<module>.<part>``), the gradient norm before clipping and ``stepped``."""
+        with self.trace.step(self.step) if self.trace is not None else contextlib.nullcontext():
+            return self._train_step(batch)
+
+    def _train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         self._check(batch)
         rows = StepRows(self.graph, batch, self.microbatches)
         for module in self.modules.values():
@@ -80,10 +99,11 @@ class Runtime:
         self._begin(rows, batch, training=True)
         executor = Executor(self, batch, rows, True, self.step)
         executor.run(self.actions[True])
-        for module in self.modules.values():
-            module.settle_grads()
-        squares = {name: module.local_squares() for name, module in self.modules.items()}
-        metrics, self.nonfinite = self._losses_and_nonfinite(executor, squares)
+        with self._span("loss and non-finite check"):
+            for module in self.modules.values():
+                module.settle_grads()
+            squares = {name: module.local_squares() for name, module in self.modules.items()}
+            metrics, self.nonfinite = self._losses_and_nonfinite(executor, squares)
         if self.nonfinite:
             for key, end in self.edge_ends().items():
                 end.load_state_dict(edge_states[key])
@@ -93,13 +113,16 @@ class Runtime:
             self.step += 1
             return metrics | {"grad_norm": math.nan, "stepped": 0.0}
         for name, module in self.modules.items():
-            module.replica_sync.before_step()
-            if module.syncs_gradients:  # the squares before the sync no longer describe the gradients
-                squares[name] = module.local_squares()
-        grad_norm = self._clip(squares)
+            with self._span(f"{name} replica sync"):
+                module.replica_sync.before_step()
+                if module.syncs_gradients:  # the squares before the sync no longer describe the gradients
+                    squares[name] = module.local_squares()
+        with self._span("clip"):
+            grad_norm = self._clip(squares)
         if math.isfinite(grad_norm):
-            for module in self.modules.values():
-                module.step(self.step)
+            for name, module in self.modules.items():
+                with self._span(f"{name} optimizer"):
+                    module.step(self.step)
         self.step += 1
         return metrics | {"grad_norm": grad_norm, "stepped": float(math.isfinite(grad_norm))}
 

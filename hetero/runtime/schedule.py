@@ -93,7 +93,7 @@ def _phased(graph: Graph, rank: int, n: int, training: bool) -> list[Action]:
     return actions
 
 
-def _senders(graph: Graph, action: Action) -> set[int]:
+def edge_senders(graph: Graph, action: Action) -> set[int]:
     """The ranks that hand data over in an edge call: the source's last stage in ``EF``, the destination's
     first stage in ``EB``."""
     edge = next(e for e in graph.edges if e.name == action.target)
@@ -103,7 +103,7 @@ def _senders(graph: Graph, action: Action) -> set[int]:
     return {r for r, c in dst.coords() if c.pp == 0}
 
 
-def _receivers(graph: Graph, action: Action) -> set[int]:
+def edge_receivers(graph: Graph, action: Action) -> set[int]:
     """The ranks that take data in an edge call: the destination's first stage in ``EF``, the source's
     last stage in ``EB``."""
     edge = next(e for e in graph.edges if e.name == action.target)
@@ -148,42 +148,62 @@ def _stage_queue(graph: Graph, name: str, rank: int, n: int, training: bool) -> 
 
 def _graph_1f1b(graph: Graph, world: int, n: int, training: bool) -> dict[int, list[Action]]:
     """One 1F1B over the whole module graph: every module's stage queues (``_stage_queue``) merged per
-    rank by a simulation of the step in which each rank, whenever it is free, starts the first queue
-    head that can run (an encoder's backward, which no other rank waits for, last; then backwards first:
-    the sooner a gradient returns, the sooner memory frees; then the earliest microbatch, then graph
-    order: two encoders of one LLM alternate), and when none can, enters the first edge call, whose
-    sends it posts at once. A rank holding several modules fills one module's idle slots (a pipeline's
-    warm-up and cool-down, a downstream module's wait for its input) with another's work. Every rank
-    computes the same simulation, so the lists agree; ``check_actions`` checks them as any schedule."""
+    rank by a simulation of the step. Whenever a rank is free it starts the first queue head that can
+    run at once, by priority: an edge call in which it only sends (a peer waits for it); then backwards
+    (the sooner a gradient returns, the sooner memory frees), an encoder's backward (no rank waits for it)
+    last; then the earliest microbatch, then graph order (two encoders of one LLM alternate). When no
+    rank can start anything, the ranks of one edge call enter it together: the first call, by microbatch
+    (backward first) and edge order, that each of its ranks is in or, free, has at a queue head. A rank
+    thus waits only in a call that all its ranks enter, so no two waits cross. A rank holding several
+    modules fills one module's idle slots (a pipeline's warm-up and cool-down, a downstream module's wait
+    for its input) with another's work. Every rank computes the same simulation, so the lists agree;
+    ``check_actions`` checks them as any schedule."""
     def terminal(rank: int, action: Action) -> bool:
         """A first stage's backward of a module nothing feeds (an encoder's): no rank waits for it."""
         return action.op == "B" and not graph.in_edges(action.target) and _stage_of(graph, action.target, rank) == 0
+
+    def hands_over(rank: int, action: Action) -> bool:
+        """An edge call in which this rank only sends."""
+        return action.op in ("EF", "EB") and rank not in edge_receivers(graph, action)
 
     queues = {rank: [_stage_queue(graph, name, rank, n, training) for name in graph.order
                      if _stage_of(graph, name, rank) is not None] for rank in range(world)}
     lists: dict[int, list[Action]] = {rank: [] for rank in range(world)}
     state = _Progress(graph, lists)
+    edge_index = {e.name: i for i, e in enumerate(graph.edges)}
+
+    def at_head(rank: int, action: Action) -> list[Action] | None:
+        return next((q for q in queues[rank] if q and q[0] == action), None)
+
+    def joinable(action: Action) -> bool:
+        return all(state.entered(r, action) or (not state.blocked(r) and at_head(r, action) is not None)
+                   for r in state.ranks[action.target])
+
     while any(q for qs in queues.values() for q in qs):
         progressed = False
         for rank in range(world):
             if state.blocked(rank):
                 continue
             heads = [q for q in queues[rank] if q]
-            if not heads:
-                continue
-            # work some other rank waits for first, then backwards, the earliest microbatch, graph order
-            ordered = sorted(heads, key=lambda q: (terminal(rank, q[0]), q[0].op not in ("B", "EB"), q[0].microbatch))
+            ordered = sorted(heads, key=lambda q: (not hands_over(rank, q[0]), terminal(rank, q[0]),
+                                                   q[0].op not in ("B", "EB"), q[0].microbatch))
             chosen = next((q for q in ordered if state.ready(rank, q[0])), None)
-            if chosen is None:
-                chosen = next((q for q in ordered if q[0].op in ("EF", "EB")), None)
-            if chosen is None:
-                continue
-            lists[rank].append(chosen.pop(0))
-            progressed = True
-        progressed |= state.advance()
-        if not progressed:
+            if chosen is not None:
+                lists[rank].append(chosen.pop(0))
+                progressed = True
+        if state.advance() or progressed:
+            continue
+        calls = {q[0] for r in range(world) if not state.blocked(r) for q in queues[r]
+                 if q and q[0].op in ("EF", "EB")}
+        call = min((c for c in calls if joinable(c)), default=None,
+                   key=lambda c: (c.microbatch, c.op != "EB", edge_index[c.target]))
+        if call is None:
             stuck = {r: [str(q[0]) for q in queues[r] if q] for r in queues if any(queues[r])}
             raise ScheduleError(f"the graph_1f1b schedule found no order for these queue heads: {stuck}")
+        for r in state.ranks[call.target]:
+            if not state.entered(r, call):
+                lists[r].append(at_head(r, call).pop(0))
+        state.advance()
     state.finish()
     return lists
 
@@ -227,12 +247,12 @@ class _Progress:
         ranks = self.ranks[action.target]
         if self.synchronous:
             return all(self.entered(r, action) for r in ranks)
-        if rank in _receivers(self.graph, action):
+        if rank in edge_receivers(self.graph, action):
             waits_for = ranks
         elif action.op == "EF":
             return True
         else:
-            waits_for = _senders(self.graph, action)
+            waits_for = edge_senders(self.graph, action)
         return all(r == rank or self.entered(r, action) for r in waits_for)
 
     def advance(self) -> bool:

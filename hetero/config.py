@@ -124,7 +124,7 @@ class ExperimentConfig:
     name: str = "experiment"
     world_size: int | None = None
     placement: str = "auto"  # auto | colocated | non_colocated
-    # auto (phased where every module spans the same ranks and none pipelines, else graph_1f1b) | phased | graph_1f1b
+    # auto (phased where every module spans the same ranks, else graph_1f1b) | phased | graph_1f1b
     schedule: str = "auto"
     backend: str = "auto"  # auto (nccl on GPUs, else gloo) | gloo | nccl
     timeout_s: float = 300.0  # every collective and process-group setup fails after this

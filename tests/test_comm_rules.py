@@ -61,3 +61,20 @@ def test_collectives_that_differ_across_ranks_are_refused():
     with pytest.raises(CommRuleViolation, match=r"collective #0 is \('all_reduce', 'torch.float32', 4\) on rank 0 but "
                                                 r"\('all_reduce', 'torch.float32', 5\) on rank 1"):
         check([record(4), record(5)])
+
+
+def crossed_collectives(rank, world_size, crossed):
+    """Two groups of the same two ranks, one all-reduce on each; rank 1 issues them in the other order
+    when ``crossed`` (gloo runs each group's asynchronous work on its own, so this finishes there)."""
+    first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
+    order = (second, first) if crossed and rank == 1 else (first, second)
+    works = [dist.all_reduce(torch.ones(2), group=group, async_op=True) for group in order]
+    for work in works:
+        work.wait()
+
+
+def test_collectives_of_two_groups_in_opposite_orders_are_refused():
+    run_ranks(crossed_collectives, 2, False)
+    with pytest.raises(CommRuleViolation, match=r"ranks order collectives of different groups in a cycle: "
+                                                r"collective #0 of group \d+ before #0 of group \d+ on rank \d"):
+        run_ranks(crossed_collectives, 2, True)

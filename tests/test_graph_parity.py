@@ -107,6 +107,10 @@ CASES = {
         {"vision": {"dp": 8}, "dna": {"tp": 2, "dp": 4}, "llm": {"tp": 2, "pp": 2, "dp": 2},
          "video": {"dp": 8}}, 8, 16, 2,
         {"vision": ParallelOptions(fsdp=True), "dna": ParallelOptions(activation_checkpointing=True)}),
+    "colocated as above, one 1F1B over the graph (encoders in the LLM's bubbles)": (
+        {"vision": {"dp": 8}, "dna": {"tp": 2, "dp": 4}, "llm": {"tp": 2, "pp": 2, "dp": 2},
+         "video": {"dp": 8}}, 8, 16, 2,
+        {"vision": ParallelOptions(fsdp=True), "dna": ParallelOptions(activation_checkpointing=True)}, "graph_1f1b"),
     "mixed, long context: vision dp2 + dna dp2 (ranks 0-1), llm cp2·pp2 (2-5), video dp2 (6-7)": (
         {"vision": {"dp": 2}, "dna": {"dp": 2}, "llm": {"cp": 2, "pp": 2, "dp": 1, "offset": 2},
          "video": {"dp": 2, "offset": 6}}, 8, 8, 4, {}),

@@ -74,14 +74,15 @@ def test_the_phased_schedule_meets_the_edges_in_one_order_on_every_rank():
 
 
 @pytest.mark.parametrize("layouts,world,schedule", [
-    ({"vision": {"dp": 2}, "llm": {"dp": 2}}, 2, "phased"),  # colocated, nothing pipelined: no idle rank
-    ({"vision": {"dp": 2}, "llm": {"pp": 2, "dp": 1}}, 2, "graph_1f1b"),  # the encoder fills the bubbles
+    ({"vision": {"dp": 2}, "llm": {"dp": 2}}, 2, "phased"),  # colocated
+    ({"vision": {"dp": 2}, "llm": {"pp": 2, "dp": 1}}, 2, "phased"),  # colocated, bubbles to fill: opt-in
     ({"vision": {"dp": 1}, "llm": {"dp": 1, "offset": 1}}, 2, "graph_1f1b"),  # disjoint
     ({"vision": {"dp": 4}, "llm": {"dp": 2, "offset": 2}}, 4, "graph_1f1b"),  # mixed
 ])
-def test_auto_picks_phased_only_where_no_rank_would_idle(layouts, world, schedule):
+def test_auto_picks_phased_only_where_every_module_spans_every_rank(layouts, world, schedule):
     assert vlm(layouts, world).schedule == schedule
     assert vlm(layouts, world, schedule="phased").schedule == "phased"
+    assert vlm(layouts, world, schedule="graph_1f1b").schedule == "graph_1f1b"
 
 
 def graph_1f1b(llm_schedule="1f1b"):

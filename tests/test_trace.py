@@ -18,7 +18,7 @@ LAYOUTS = {"vision": {"dp": 2}, "llm": {"pp": 2, "dp": 1}}
 
 
 def traced(rank, world_size):
-    runtime = build_runtime(vlm_experiment(2, LAYOUTS, 8, 4))
+    runtime = build_runtime(vlm_experiment(2, LAYOUTS, 8, 4, schedule="graph_1f1b"))
     data = batches(8)[:2]
     first = runtime.train_step(data[0])
     trace = runtime.start_trace()
@@ -29,7 +29,7 @@ def traced(rank, world_size):
 
 
 def untraced(rank, world_size):
-    runtime = build_runtime(vlm_experiment(2, LAYOUTS, 8, 4))
+    runtime = build_runtime(vlm_experiment(2, LAYOUTS, 8, 4, schedule="graph_1f1b"))
     return tuple(runtime.train_step(batch)["loss"] for batch in batches(8)[:2])
 
 

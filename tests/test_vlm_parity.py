@@ -72,8 +72,8 @@ def vlm_experiment(world_size, layouts, global_batch, microbatches, options=None
 def train(rank, world_size, layouts, global_batch, microbatches, options=None, steps=STEPS, schedule="auto"):
     runtime = build_runtime(vlm_experiment(world_size, layouts, global_batch, microbatches, options, schedule))
     vision, llm = (runtime.graph.nodes[name].layout for name in ("vision", "llm"))
-    idle_ranks = set(vision.ranks) != set(llm.ranks) or llm.pp > 1  # auto runs phased only without them
-    assert runtime.graph.schedule == ("graph_1f1b" if idle_ranks else "phased") if schedule == "auto" else schedule
+    shared = set(vision.ranks) == set(llm.ranks)
+    assert runtime.graph.schedule == ("phased" if shared else "graph_1f1b") if schedule == "auto" else schedule
     return record_run(runtime, batches(global_batch)[:steps])
 
 

@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> None:
             times[name] += [max(step) for step in zip(*(r["times"] for r in per_rank))]
     measured = {name: statistics.median(t) for name, t in times.items()}
     first = next(iter(experiments))
-    print(f"{'configuration':<42} {'predicted ms':>12} {'measured ms':>12} {'pred. ratio':>11} {'meas. ratio':>11} {'error':>7}")
+    print(f"{'configuration':<52} {'predicted ms':>12} {'measured ms':>12} {'pred. ratio':>11} {'meas. ratio':>11} {'error':>7}")
     for name in experiments:
         p_ratio, m_ratio = predicted[name] / predicted[first], measured[name] / measured[first]
-        print(f"{name:<42} {predicted[name] * 1e3:12.1f} {measured[name] * 1e3:12.1f} {p_ratio:11.3f} {m_ratio:11.3f} "
+        print(f"{name:<52} {predicted[name] * 1e3:12.1f} {measured[name] * 1e3:12.1f} {p_ratio:11.3f} {m_ratio:11.3f} "
               f"{p_ratio / m_ratio - 1:+7.1%}")
 
 

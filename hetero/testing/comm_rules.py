@@ -1,7 +1,7 @@
 """The rules NCCL enforces and gloo forgives, checked on what a multi-rank run actually posted.
 
 Each rank records its point-to-point operations and its collectives through ``torch.distributed``'s
-Python API (``Recorder``); after the run, ``check`` applies three rules to every rank's record:
+Python API (``Recorder``); after the run, ``check`` applies four rules to every rank's record:
 
 1. **Pairing.** NCCL matches messages by order, not by tag: for every group and every ordered pair of
    ranks, the i-th send from a to b and the i-th receive at b from a must agree in dtype and element
@@ -10,6 +10,10 @@ Python API (``Recorder``); after the run, ``check`` applies three rules to every
    member's first operation on that group must be one (NCCL builds the communicator in that call).
 3. **Collectives.** Every member of a group issues the same collectives in the same order, with the
    same dtypes and sizes (object collectives and ``all_to_all_single`` by name only).
+4. **Collectives across groups.** No two ranks issue two groups' collectives in opposite orders (a
+   cycle among the collectives, each rank's issue order its edges): where communicators' kernels run
+   one at a time (one stream, ``CUDA_DEVICE_MAX_CONNECTIONS=1``) such ranks wait for each other forever.
+   A schedule that interleaves modules differently per rank must still keep this order.
 
 Collectives that DTensor issues through functional collectives (tensor parallelism's redistributions)
 do not pass through this API and are not recorded; they are symmetric by construction.
@@ -137,7 +141,7 @@ class Recorder:
 
 def check(records: list[tuple[list[Op], dict[str, tuple[int, ...]]]], limit: int = 8) -> None:
     """Raise ``CommRuleViolation`` naming up to ``limit`` problems in the ranks' records (rank order)."""
-    problems = _pairing(records) + _first_batches(records) + _collectives(records)
+    problems = _pairing(records) + _first_batches(records) + _collectives(records) + _cross_group_order(records)
     if problems:
         shown = "\n".join(problems[:limit]) + (f"\n... and {len(problems) - limit} more" if len(problems) > limit else "")
         raise CommRuleViolation(f"traffic NCCL would not accept ({len(problems)} problems):\n{shown}")
@@ -208,3 +212,40 @@ def _collectives(records) -> list[str]:
             elif len(a) != len(b):
                 problems.append(f"group {group}: rank {first} issues {len(a)} collectives, rank {rank} {len(b)}")
     return problems
+
+
+def _cross_group_order(records) -> list[str]:
+    """A cycle among the collectives (the k-th collective of a group one node; each rank's next
+    collective on another group an edge), named by its nodes and the ranks that order them so."""
+    successors: dict[tuple[str, int], dict[tuple[str, int], int]] = defaultdict(dict)
+    for rank, (ops, _) in enumerate(records):
+        counts: dict[str, int] = defaultdict(int)
+        previous = None
+        for op in ops:
+            if op.peer is not None:
+                continue
+            node = (op.group, counts[op.group])
+            counts[op.group] += 1
+            if previous is not None and previous[0] != node[0]:
+                successors[previous].setdefault(node, rank)
+            previous = node
+    state: dict[tuple[str, int], int] = {}  # 1 on the current path, 2 done
+    for root in list(successors):
+        if root in state:
+            continue
+        state[root], path, pending = 1, [root], [iter(successors[root])]
+        while pending:  # depth first, without recursion: the chains run to thousands of collectives
+            after = next(pending[-1], None)
+            if after is None:
+                state[path.pop()] = 2
+                pending.pop()
+            elif state.get(after) == 1:
+                cycle = path[path.index(after):] + [after]
+                steps = [f"collective #{a[1]} of group {a[0]} before #{b[1]} of group {b[0]} on rank {successors[a][b]}"
+                         for a, b in zip(cycle, cycle[1:])]
+                return ["ranks order collectives of different groups in a cycle: " + "; ".join(steps)]
+            elif after not in state:
+                state[after] = 1
+                path.append(after)
+                pending.append(iter(successors.get(after, {})))
+    return []

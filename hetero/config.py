@@ -87,9 +87,18 @@ class EdgeConfig:
 
 
 @dataclass
+class InitConfig:
+    """Where a module's weights start: seeded random (default), or a Hugging Face checkpoint directory
+    (``hf``: its ``config.json`` gives the model's sizes, its safetensors the weights)."""
+
+    hf: str | None = None
+
+
+@dataclass
 class ModuleConfig:
     kind: str = ""
     model: dict[str, Any] = field(default_factory=dict)
+    init: InitConfig = field(default_factory=InitConfig)
     layout: LayoutSpec = field(default_factory=LayoutSpec)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -146,6 +155,8 @@ class ExperimentConfig:
                 f"{module}.kind={spec.kind!r} is not a known module kind; use one of {', '.join(registry.names())} "
                 f"(or register yours: hetero.kinds.KindRegistry.register, entry point group hetero.kinds)"
             )
+        if spec.init.hf is not None:
+            return registry[spec.kind].pretrained_config(module, spec.init.hf, dict(spec.model))
         try:
             return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(registry[spec.kind].config), spec.model))
         except OmegaConfBaseException as err:

@@ -21,7 +21,7 @@ TRAINING_MULTIPLIER = 3  # forward + backward (input and weight gradients)
 def gpt_forward_flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     """Forward FLOPs per token of the GPT at sequence length ``seq_len`` (default: the config's)."""
     h, s = config.hidden_size, seq_len or config.seq_len
-    head_dim = h // config.num_heads
+    head_dim = config.head_size
     q_width, kv_width = config.num_heads * head_dim, config.kv_heads * head_dim
     projections = 2 * h * (q_width + 2 * kv_width) + 2 * q_width * h
     attention = 2 * 2 * s * q_width  # QK^T and attention·V, per query position

@@ -119,6 +119,15 @@ class Kind:
     def parallelize(self, model: nn.Module, mesh: ModuleMesh, options: ParallelOptions) -> nn.Module:
         return model
 
+    def pretrained_config(self, module: str, path: str, fields: dict[str, Any]) -> Any:
+        """The model config of the Hugging Face checkpoint at ``path`` (``init.hf``), with the YAML's
+        ``model:`` ``fields`` (those a checkpoint leaves open, such as the training length)."""
+        raise ConfigError(f"{module}.init.hf: {self.name} modules import no Hugging Face checkpoints; remove it")
+
+    def load_pretrained(self, model: nn.Module, path: str) -> None:
+        """Copy the checkpoint's weights into ``model`` (as ``build`` made it, before ``parallelize``)."""
+        raise NotImplementedError
+
     def data_keys(self, config: Any) -> tuple[str, ...]:
         return ()
 

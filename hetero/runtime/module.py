@@ -40,6 +40,8 @@ class ModuleState:
         torch.manual_seed(seed + node.index)  # every rank builds the whole model, then keeps its part
         with torch.device(device):  # on a GPU built there: no host-side init and copy of every weight
             built = node.kind.build(node.config).to(device)  # .to: anything a kind placed explicitly
+            if node.settings.init.hf is not None:
+                node.kind.load_pretrained(built, node.settings.init.hf)
         self.model = node.kind.parallelize(built, mesh, node.options)
         self.optimizer = build_adamw(self.model, node.settings.optim, fused=device.type == "cuda")
         self.replica_sync = self._replica_sync()

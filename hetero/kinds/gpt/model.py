@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -9,17 +10,48 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.kernels.attention import CausalAttention, merge_heads, split_heads
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.gpt.config import GPTConfig, RopeScaling
 
 
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                     device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies (head_dim // 2), stretched by ``scaling``, and the factor that
+    scales cos and sin (YaRN's; 1 otherwise)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = 1.0 / theta**exponents
+    if scaling is None or scaling.type == "none":
+        return inv_freq, 1.0
+    factor, context = scaling.factor, scaling.original_max_position
+    if scaling.type == "llama3":
+        # Long wavelengths (past context / low_freq_factor) slow down by ``factor``, short ones (below
+        # context / high_freq_factor) keep theirs, and those between blend linearly in context / wavelength.
+        wavelength = 2 * math.pi / inv_freq
+        blend = ((context / wavelength - scaling.low_freq_factor)
+                 / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
+        return (1 - blend) * inv_freq / factor + blend * inv_freq, 1.0
+    # yarn: dimensions that turn fewer than beta_slow times over the original context are interpolated
+    # (divided by factor), those that turn more than beta_fast times kept, with a linear ramp between.
+    def dimension(rotations: float) -> float:
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dimension(scaling.beta_fast)), 0)
+    high = min(math.ceil(dimension(scaling.beta_slow)), head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low)
+            / max(high - low, 1e-3)).clamp(0.0, 1.0)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    attention = scaling.attention_factor
+    if attention is None:
+        attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, attention
 
 
-def rope_tables(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, positions: torch.Tensor, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of rotary angles for the given absolute positions: each (len(positions), head_dim)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    inv_freq, attention = rope_frequencies(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    return angles.cos() * attention, angles.sin() * attention
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -32,17 +64,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.head_dim = config.hidden_size // config.num_heads
-        self.wq = nn.Linear(config.hidden_size, config.num_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, config.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.hidden_size, config.kv_heads * self.head_dim, bias=False)
+        self.head_dim = config.head_size
+        bias = config.qkv_bias
+        self.wq = nn.Linear(config.hidden_size, config.num_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(config.hidden_size, config.kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(config.hidden_size, config.kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(config.num_heads * self.head_dim, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = split_heads(self.wq(x), self.head_dim)
         k = split_heads(self.wk(x), self.head_dim)
         v = split_heads(self.wv(x), self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         return self.wo(merge_heads(out))
 
@@ -92,6 +132,8 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
@@ -113,7 +155,8 @@ class GPT(nn.Module):
         """
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
-        cos, sin = rope_tables(self.config.hidden_size // self.config.num_heads, positions, self.config.rope_theta)
+        config = self.config
+        cos, sin = rope_tables(config.head_size, positions, config.rope_theta, config.rope_scaling)
         cos, sin = cos.to(x.device), sin.to(x.device)
         # Float input is already embedded: hidden states from the previous stage, or the first stage's
         # embeddings with other modalities merged in.

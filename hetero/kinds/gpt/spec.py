@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hetero.data.digits import IGNORE_INDEX
+from hetero.errors import ConfigError
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.kinds.gpt.plan import parallelize_gpt
@@ -42,6 +43,22 @@ class GPTKind(Kind):
 
     def parallelize(self, model, mesh, options):
         return parallelize_gpt(model, mesh, options)
+
+    def pretrained_config(self, module, path, fields):
+        from hetero.interop.hf_checkpoint import HFCheckpoint
+        from hetero.kinds.gpt.hf import gpt_config
+
+        given = sorted(set(fields) - {"seq_len"})
+        if given:
+            raise ConfigError(f"{module}.model.{given[0]} comes from {module}.init.hf's config.json; remove it "
+                              f"(with init.hf, {module}.model sets seq_len only)")
+        return gpt_config(HFCheckpoint(path).config, fields.get("seq_len"), module)
+
+    def load_pretrained(self, model, path):
+        from hetero.kinds.gpt.hf import import_gpt
+
+        _, state = import_gpt(path, model.config.seq_len)
+        model.load_state_dict(state, strict=True)
 
     def data_keys(self, config: GPTConfig) -> tuple[str, ...]:
         return ("tokens", "labels")

@@ -1,0 +1,1 @@
+"""Checkpoints of other frameworks: Hugging Face ``config.json`` + safetensors (``hf_checkpoint``)."""

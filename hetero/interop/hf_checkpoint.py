@@ -1,0 +1,61 @@
+"""A Hugging Face checkpoint directory: ``config.json`` and its weights, one ``model.safetensors`` or
+shards listed by ``model.safetensors.index.json``. Tensors are read lazily, one at a time (or a slice
+of one), so a caller that takes only what it holds never has the whole model in memory.
+
+Needs the ``hf`` extra (``safetensors``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from hetero.errors import ConfigError
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+class HFCheckpoint:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        config = self.path / "config.json"
+        if not config.is_file():
+            raise ConfigError(f"{self.path} is not a Hugging Face checkpoint: it has no config.json")
+        self.config: dict = json.loads(config.read_text())
+        if (self.path / INDEX).is_file():
+            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+            self.files = {name: self.path / file for name, file in weight_map.items()}
+        elif (self.path / SINGLE).is_file():
+            from safetensors import safe_open
+
+            with safe_open(self.path / SINGLE, framework="pt") as handle:
+                self.files = dict.fromkeys(handle.keys(), self.path / SINGLE)
+        else:
+            raise ConfigError(f"{self.path} has no {SINGLE} or {INDEX}; hetero reads safetensors weights only")
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def tensor(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor ``name`` (only ``index`` of it, when given), read from its file."""
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        with safe_open(self.files[name], framework="pt") as handle:
+            return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+
+    def tensors(self, names) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for each of ``names``, each file opened once."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.files[name], []).append(name)
+        for file, held in by_file.items():
+            with safe_open(file, framework="pt") as handle:
+                for name in held:
+                    yield name, handle.get_tensor(name)

@@ -1,0 +1,154 @@
+"""Hugging Face Llama-family decoders as hetero GPTs: the config mapped field by field, the weights renamed.
+
+Architectures: ``LlamaForCausalLM`` (Llama 2, 3.x), ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (biases
+on q, k, v), ``Qwen3ForCausalLM`` (RMSNorm of q and k per head, its own head_dim). GQA, RoPE theta and
+the ``llama3`` and ``yarn`` scalings, tied embeddings and the RMSNorm eps carry over. A field hetero does
+not model, or a value it does not model (another activation, sliding-window attention that the
+sequence reaches, biases on the output projection), is refused by name. Fields that do not change what
+the weights compute (token ids, dtype, caching, initialization) are passed over: ``BOOKKEEPING``.
+
+HF's Llama layout already rotates by halves, as hetero's RoPE does: q and k are not permuted.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from hetero.errors import ConfigError
+from hetero.interop.hf_checkpoint import HFCheckpoint
+from hetero.kinds.gpt.config import GPTConfig, RopeScaling
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+
+BOOKKEEPING = {
+    "architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "output_hidden_states",
+    "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+    "problem_type", "tokenizer_class", "max_window_layers",
+}
+
+MODELLED = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+    "tie_word_embeddings", "rope_theta", "rope_parameters", "rope_scaling", "attention_bias", "attention_dropout",
+    "mlp_bias", "pretraining_tp", "sliding_window", "use_sliding_window", "layer_types",
+}
+
+_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+              "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "truncate"}
+
+
+def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPTConfig:
+    """The GPT config of HF config ``hf`` (a ``config.json``), trained at ``seq_len`` (default: the
+    checkpoint's ``max_position_embeddings``)."""
+    where = f"{module}.init.hf config.json"
+    architectures = hf.get("architectures") or []
+    unknown = [a for a in architectures if a not in ARCHITECTURES]
+    if not architectures or unknown:
+        raise ConfigError(f"{where}: architectures={architectures} is not one hetero imports; it imports "
+                          f"{', '.join(ARCHITECTURES)}")
+    family = ARCHITECTURES[architectures[0]]
+    extra = sorted(set(hf) - MODELLED - BOOKKEEPING)
+    if extra:
+        raise ConfigError(f"{where}: hetero does not model the field(s) {', '.join(extra)}; "
+                          "import a checkpoint without them")
+
+    def refuse(field: str, value, why: str) -> None:
+        raise ConfigError(f"{where}: {field}={value!r} is not modelled ({why})")
+
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", hf["hidden_act"], "hetero's GPT uses SwiGLU with silu")
+    if hf.get("attention_dropout", 0.0):
+        refuse("attention_dropout", hf["attention_dropout"], "hetero's attention has no dropout")
+    if hf.get("mlp_bias", False):
+        refuse("mlp_bias", True, "hetero's MLP has no biases")
+    if hf.get("pretraining_tp", 1) != 1:
+        refuse("pretraining_tp", hf["pretraining_tp"], "only 1 computes the plain projections")
+    if family in ("llama", "mistral") and hf.get("attention_bias", False):
+        refuse("attention_bias", True, "it adds a bias to the output projection too; hetero biases q, k, v only")
+    length = seq_len or hf["max_position_embeddings"]
+    window = hf.get("sliding_window")
+    windowed = hf.get("use_sliding_window")
+    if windowed is None:  # Mistral's configs have no switch: its window applies whenever set
+        windowed = family == "mistral"
+    if windowed and window is not None and window < length:
+        refuse("sliding_window", window, f"sliding-window attention; train at seq_len <= {window}")
+    layer_types = hf.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        refuse("layer_types", sorted(set(layer_types)), "every layer attends to the full sequence in hetero")
+    theta, scaling = _rope(hf, where)
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim")
+    return GPTConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"], seq_len=length,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        head_dim=head_dim if head_dim and head_dim != hf["hidden_size"] // heads else None,
+        qkv_bias=family == "qwen2" or (family == "qwen3" and bool(hf.get("attention_bias", False))),
+        qk_norm=family == "qwen3", rope_scaling=scaling,
+    )
+
+
+def _rope(hf: dict, where: str) -> tuple[float, RopeScaling]:
+    """RoPE theta and scaling from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    extra = sorted(set(params) - _ROPE_KEYS)
+    if extra:
+        raise ConfigError(f"{where}: rope parameter(s) {', '.join(extra)} are not modelled")
+    if kind == "default":
+        return theta, RopeScaling()
+    if kind not in ("llama3", "yarn"):
+        raise ConfigError(f"{where}: rope_type={kind!r} is not modelled; hetero models default, llama3, yarn")
+    if params.get("truncate", True) is not True:
+        raise ConfigError(f"{where}: rope truncate=false is not modelled")
+    original = params.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+    scaling = RopeScaling(type=kind, factor=float(params["factor"]), original_max_position=int(original))
+    if kind == "llama3":
+        scaling.low_freq_factor = float(params["low_freq_factor"])
+        scaling.high_freq_factor = float(params["high_freq_factor"])
+    else:
+        scaling.beta_fast = float(params.get("beta_fast", 32.0))
+        scaling.beta_slow = float(params.get("beta_slow", 1.0))
+        scaling.attention_factor = params.get("attention_factor")
+    return theta, scaling
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_IN_LAYER = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm",
+    "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
+    "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+}
+_TOP = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output"}
+
+
+def gpt_name(hf_name: str) -> str:
+    """hetero's name of HF weight ``hf_name`` (``model.layers.3.mlp.up_proj.weight`` -> ``layers.3.feed_forward.w3.weight``)."""
+    module, _, leaf = hf_name.rpartition(".")
+    if match := _LAYER.fullmatch(module):
+        layer, inner = match.groups()
+        if inner in _IN_LAYER:
+            return f"layers.{layer}.{_IN_LAYER[inner]}.{leaf}"
+    elif module in _TOP:
+        return f"{_TOP[module]}.{leaf}"
+    raise ConfigError(f"HF weight {hf_name!r} has no place in hetero's GPT")
+
+
+def import_gpt(path: str | Path, seq_len: int | None = None, module: str = "llm") -> tuple[GPTConfig, dict]:
+    """The GPT config and full state dict (hetero's names) of the HF checkpoint at ``path``."""
+    checkpoint = HFCheckpoint(path)
+    config = gpt_config(checkpoint.config, seq_len, module)
+    state: dict[str, torch.Tensor] = {gpt_name(name): tensor for name, tensor in checkpoint.tensors(checkpoint.names())}
+    if config.tie_embeddings:
+        state.pop("output.weight", None)  # tied: the embedding is the output layer
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return config, state

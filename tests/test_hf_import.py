@@ -1,0 +1,129 @@
+"""Hugging Face decoders imported into hetero's GPT (``hetero/kinds/gpt/hf.py``): tiny random Llama, Qwen2,
+Qwen3 and Mistral models built offline with ``transformers``, every weight perturbed (norms off 1, biases
+off 0), saved with ``save_pretrained`` (sharded with an index for one), imported, and run on the same
+tokens: logits equal to transformers' within 1e-5 in fp32. Configs hetero does not model are refused by
+name."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from hetero.errors import ConfigError
+from hetero.kinds.gpt.hf import gpt_config, import_gpt
+from hetero.kinds.gpt.model import GPT
+
+SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)
+CASES = {
+    "llama 3: GQA, theta 5e5, llama3 scaling, tied embeddings, eps 1e-6": (
+        "LlamaConfig", "LlamaForCausalLM",
+        dict(num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=True,
+             rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen2: biases on q, k, v, yarn scaling, sharded files": (
+        "Qwen2Config", "Qwen2ForCausalLM",
+        dict(num_key_value_heads=2, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                     "original_max_position_embeddings": 16})),
+    "qwen3: q/k norm, head_dim 16 (not hidden / heads)": (
+        "Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
+    "mistral: a window the sequence does not reach": (
+        "MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=64)),
+}
+
+
+def saved(tmp_path, config_class, model_class, fields, shard=False):
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**SIZES, **fields)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    model.save_pretrained(tmp_path, max_shard_size="20KB" if shard else "1GB")
+    return model
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_imported_decoder_gives_transformers_logits(tmp_path, case):
+    config_class, model_class, fields = CASES[case]
+    reference = saved(tmp_path, config_class, model_class, fields, shard="sharded" in case)
+    assert ("sharded" in case) == (tmp_path / "model.safetensors.index.json").exists()
+    config, state = import_gpt(tmp_path)
+    model = GPT(config)
+    model.load_state_dict(state, strict=True)
+    tokens = torch.randint(0, SIZES["vocab_size"], (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        got = model.eval()(tokens)
+    error = ((got - expected).abs().max() / expected.abs().max()).item()
+    print(f"\n{case}: logits relative error {error:.1e}")
+    assert error < 1e-5
+
+
+def hf_config(**changes):
+    fields = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SIZES, "num_key_value_heads": 2,
+              "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default",
+                                                                               "rope_theta": 1e4}}
+    return fields | changes
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"architectures": ["GPT2LMHeadModel"]}, r"architectures=\['GPT2LMHeadModel'\] is not one hetero imports"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not modelled \(hetero's GPT uses SwiGLU with silu\)"),
+    ({"attention_bias": True}, r"attention_bias=True is not modelled \(it adds a bias to the output projection"),
+    ({"mlp_bias": True}, r"mlp_bias=True is not modelled"),
+    ({"logit_softcapping": 30.0}, r"hetero does not model the field\(s\) logit_softcapping"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     r"rope_type='dynamic' is not modelled; hetero models default, llama3, yarn"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 16},
+     r"sliding_window=16 is not modelled \(sliding-window attention; train at seq_len <= 16\)"),
+])
+def test_a_config_hetero_does_not_model_is_refused_by_name(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        gpt_config(hf_config(**changes))
+    json.dumps(hf_config(**changes))  # a plain config.json
+
+
+def evaluated(rank, world_size, path, layout, batch):
+    from hetero.runtime import build_runtime
+    from hetero.testing.experiments import experiment, module
+
+    block = module("gpt", {"seq_len": batch["tokens"].shape[1]}, layout, init={"hf": str(path)})
+    runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=len(batch["tokens"]),
+                                       microbatches=2 if layout.get("pp", 1) > 1 else 1))
+    return runtime.evaluate([batch])["llm.loss"]
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2, "dp": 1}, {"pp": 2, "dp": 1}, {"cp": 2, "dp": 1}],
+                         ids=["tp2", "pp2", "cp2"])
+def test_an_imported_decoder_under_a_layout_gives_transformers_loss(tmp_path, layout):
+    """``llm.init.hf`` in an experiment: the Qwen2 case above (biases, GQA, yarn), on 2 ranks."""
+    from hetero.testing.multiprocess import run_ranks
+
+    config_class, model_class, fields = CASES["qwen2: biases on q, k, v, yarn scaling, sharded files"]
+    reference = saved(tmp_path, config_class, model_class, fields, shard=True)
+    tokens = torch.randint(0, SIZES["vocab_size"], (4, 40), generator=torch.Generator().manual_seed(2))
+    labels = torch.cat([tokens[:, 1:], torch.full((4, 1), -100)], dim=1)
+    with torch.no_grad():
+        logits = reference(tokens).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+    losses = run_ranks(evaluated, 2, tmp_path, layout, {"tokens": tokens, "labels": labels})
+    for loss in losses:
+        assert abs(loss - expected) / expected < 1e-5, (loss, expected)
+
+
+def test_init_hf_takes_the_sizes_from_the_checkpoint_and_refuses_others(tmp_path):
+    from hetero.testing.experiments import experiment, module
+
+    saved(tmp_path, *CASES["qwen3: q/k norm, head_dim 16 (not hidden / heads)"])
+    config = experiment(1, {"llm": module("gpt", {"seq_len": 24}, {"dp": 1}, init={"hf": str(tmp_path)})},
+                        global_batch=2, microbatches=1).model_config("llm")
+    assert (config.seq_len, config.hidden_size, config.head_size, config.qk_norm) == (24, 32, 16, True)
+    with pytest.raises(ConfigError, match=r"llm\.model\.hidden_size comes from llm\.init\.hf's config\.json; "
+                                          r"remove it \(with init\.hf, llm\.model sets seq_len only\)"):
+        experiment(1, {"llm": module("gpt", {"hidden_size": 64}, {"dp": 1}, init={"hf": str(tmp_path)})},
+                   global_batch=2, microbatches=1).model_config("llm")
+    with pytest.raises(ConfigError, match=r"vision\.init\.hf: vit modules import no Hugging Face checkpoints"):
+        experiment(1, {"vision": module("vit", {}, {"dp": 1}, init={"hf": str(tmp_path)})},
+                   global_batch=2, microbatches=1).model_config("vision")

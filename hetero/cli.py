@@ -66,6 +66,13 @@ def _bench(args: argparse.Namespace) -> int | None:
     return importlib.import_module(BENCHMARKS[args.name]).main(args.options)
 
 
+def _convert(args: argparse.Namespace) -> None:
+    from hetero.interop.hf_export import convert_checkpoint
+
+    out = convert_checkpoint(args.checkpoint, args.module, args.out)
+    print(f"wrote {args.module} of {args.checkpoint} to {out} (Hugging Face format)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetero", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(run=_bench)
+    convert = commands.add_parser(
+        "convert",
+        help="write a module of a hetero checkpoint in Hugging Face format",
+        description="Convert one module of a hetero train checkpoint (a step_* directory) to a Hugging Face "
+        "checkpoint (config.json, safetensors, index). The other way needs no conversion: init.hf: PATH.",
+    )
+    convert.add_argument("checkpoint", help="a step_* directory written by hetero train")
+    convert.add_argument("out", help="the Hugging Face checkpoint directory to write")
+    convert.add_argument("--module", default="llm", help="which module (default: llm)")
+    convert.set_defaults(run=_convert)
     from hetero.plan.command import add_parser as add_plan
 
     add_plan(commands)

@@ -16,6 +16,7 @@ import torch
 from hetero.errors import ConfigError
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class HFCheckpoint:
@@ -47,6 +48,13 @@ class HFCheckpoint:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         with safe_open(self.files[name], framework="pt") as handle:
             return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype tensor ``name`` is stored in."""
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as handle:
+            return DTYPES[handle.get_slice(name).get_dtype()]
 
     def tensors(self, names) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for each of ``names``, each file opened once."""

@@ -124,6 +124,11 @@ class Kind:
         ``model:`` ``fields`` (those a checkpoint leaves open, such as the training length)."""
         raise ConfigError(f"{module}.init.hf: {self.name} modules import no Hugging Face checkpoints; remove it")
 
+    def hf_export(self, config: Any) -> tuple[dict, Any]:
+        """A Hugging Face ``config.json`` for ``config``, and the HF name of each of the model's weights
+        (a callable; None leaves a weight out, e.g. an output layer tied to the embedding)."""
+        raise ConfigError(f"{self.name} modules export no Hugging Face checkpoints")
+
     def load_pretrained(self, model: nn.Module, path: str) -> None:
         """Copy the checkpoint's weights into ``model`` (as ``build`` made it, before ``parallelize``)."""
         raise NotImplementedError

@@ -1,4 +1,5 @@
-"""Hugging Face Llama-family decoders as hetero GPTs: the config mapped field by field, the weights renamed.
+"""Hugging Face Llama-family decoders as hetero GPTs and back: the config mapped field by field, the
+weights renamed.
 
 Architectures: ``LlamaForCausalLM`` (Llama 2, 3.x), ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (biases
 on q, k, v), ``Qwen3ForCausalLM`` (RMSNorm of q and k per head, its own head_dim). GQA, RoPE theta and
@@ -68,7 +69,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         refuse("mlp_bias", True, "hetero's MLP has no biases")
     if hf.get("pretraining_tp", 1) != 1:
         refuse("pretraining_tp", hf["pretraining_tp"], "only 1 computes the plain projections")
-    if family in ("llama", "mistral") and hf.get("attention_bias", False):
+    if family != "qwen2" and hf.get("attention_bias", False):
         refuse("attention_bias", True, "it adds a bias to the output projection too; hetero biases q, k, v only")
     length = seq_len or hf["max_position_embeddings"]
     window = hf.get("sliding_window")
@@ -90,7 +91,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         head_dim=head_dim if head_dim and head_dim != hf["hidden_size"] // heads else None,
-        qkv_bias=family == "qwen2" or (family == "qwen3" and bool(hf.get("attention_bias", False))),
+        qkv_bias=family == "qwen2",
         qk_norm=family == "qwen3", rope_scaling=scaling,
     )
 
@@ -152,3 +153,54 @@ def import_gpt(path: str | Path, seq_len: int | None = None, module: str = "llm"
         state.pop("output.weight", None)  # tied: the embedding is the output layer
         state["output.weight"] = state["tok_embeddings.weight"]
     return config, state
+
+
+_OUT_LAYER = {ours: theirs for theirs, ours in _IN_LAYER.items()}
+_OUT_TOP = {ours: theirs for theirs, ours in _TOP.items()}
+
+
+def hf_name(name: str) -> str:
+    """HF's name of hetero GPT weight ``name`` (the inverse of ``gpt_name``)."""
+    module, _, leaf = name.rpartition(".")
+    parts = module.split(".", 2)
+    if parts[0] == "layers" and len(parts) == 3 and parts[2] in _OUT_LAYER:
+        return f"model.layers.{parts[1]}.{_OUT_LAYER[parts[2]]}.{leaf}"
+    if module in _OUT_TOP:
+        return f"{_OUT_TOP[module]}.{leaf}"
+    raise ConfigError(f"GPT weight {name!r} has no place in a Hugging Face checkpoint")
+
+
+def hf_config(config: GPTConfig) -> dict:
+    """A ``config.json`` that ``transformers`` builds this GPT from: Qwen3 with q/k norm, Qwen2 with q/k/v
+    biases, Llama otherwise."""
+    if config.qk_norm and config.qkv_bias:
+        raise ConfigError("a GPT with both qk_norm and qkv_bias matches no Hugging Face architecture hetero exports")
+    if config.qk_norm:
+        architecture, model_type = "Qwen3ForCausalLM", "qwen3"
+    elif config.qkv_bias:
+        architecture, model_type = "Qwen2ForCausalLM", "qwen2"
+    else:
+        architecture, model_type = "LlamaForCausalLM", "llama"
+    rope: dict = {"rope_type": "default" if config.rope_scaling.type == "none" else config.rope_scaling.type,
+                  "rope_theta": config.rope_theta}
+    scaling = config.rope_scaling
+    if scaling.type != "none":
+        rope |= {"factor": scaling.factor, "original_max_position_embeddings": scaling.original_max_position}
+    if scaling.type == "llama3":
+        rope |= {"low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor}
+    elif scaling.type == "yarn":
+        rope |= {"beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow}
+        if scaling.attention_factor is not None:
+            rope["attention_factor"] = scaling.attention_factor
+    out = {
+        "architectures": [architecture], "model_type": model_type, "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.ffn_size,
+        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.kv_heads, "head_dim": config.head_size, "hidden_act": "silu",
+        "max_position_embeddings": config.seq_len, "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings, "rope_parameters": rope, "attention_dropout": 0.0,
+        "dtype": "float32",
+    }
+    if model_type != "qwen2":
+        out["attention_bias"] = False
+    return out

@@ -54,6 +54,14 @@ class GPTKind(Kind):
                               f"(with init.hf, {module}.model sets seq_len only)")
         return gpt_config(HFCheckpoint(path).config, fields.get("seq_len"), module)
 
+    def hf_export(self, config):
+        from hetero.kinds.gpt.hf import hf_config, hf_name
+
+        def name_of(name: str) -> str | None:
+            return None if config.tie_embeddings and name == "output.weight" else hf_name(name)
+
+        return hf_config(config), name_of
+
     def load_pretrained(self, model, path):
         from hetero.kinds.gpt.hf import import_gpt
 

@@ -1,0 +1,120 @@
+"""Hugging Face checkpoints out of hetero: one module of a running job, from whatever layout it runs under
+(``export_hf``), or of a saved hetero checkpoint (``convert_checkpoint``, ``hetero convert``).
+
+Every rank of the job calls ``export_hf``; the module's ranks take part. Each of its weights is gathered
+whole on the pipeline stage that holds it (TP and FSDP2 shards), and one rank per stage (tp, cp and dp
+all 0) writes that stage's file, ``model-<stage>-of-<stages>.safetensors``. After a barrier the module's
+first rank writes ``config.json`` and ``model.safetensors.index.json``, which maps every weight to its
+file. Each file is written under a temporary name and renamed once complete, the index last: a
+directory with an index is a whole checkpoint. The ranks must share the file system.
+
+Names and config come from the module's kind (``Kind.hf_export``). A module imported with ``init.hf``
+keeps its source's ``config.json`` and each tensor's dtype there, so an import followed by an export
+gives the same files' tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hetero.interop.hf_checkpoint import DTYPES, INDEX, HFCheckpoint
+
+
+def export_hf(runtime, module: str, path: str | Path) -> Path:
+    """Write ``module`` of ``runtime`` (a ``hetero.runtime.Runtime``) to directory ``path``."""
+    path = Path(path)
+    node = runtime.graph.nodes[module]
+    config, name_of = node.kind.hf_export(node.config)
+    source = HFCheckpoint(node.settings.init.hf) if node.settings.init.hf is not None else None
+    if source is not None:
+        config = source.config
+    state = runtime.modules.get(module)
+    if state is not None:
+        coord, stages = state.mesh.coord, node.layout.pp
+        whole = {}
+        for name, tensor in state.model.state_dict().items():  # the same order on every rank of the stage
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if (hf := name_of(name)) is not None:
+                whole[hf] = full.detach().to("cpu", source.dtype(hf) if source is not None else full.dtype)
+        if coord.tp == coord.cp == coord.dp == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            _write_atomically(path / _shard_name(coord.pp, stages), lambda f: _save(whole, f))
+    dist.barrier()
+    if dist.get_rank() == node.layout.ranks[0]:
+        _finish(path, [_shard_name(stage, node.layout.pp) for stage in range(node.layout.pp)], config)
+    dist.barrier()
+    return path
+
+
+def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path) -> Path:
+    """Write ``module`` of the hetero checkpoint directory ``checkpoint`` (a ``step_*`` directory of
+    ``hetero train``) to ``path`` as a Hugging Face checkpoint, in one process: the model is rebuilt from
+    the config the checkpoint recorded, its weights read whole (DCP gathers every saved shard)."""
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    from hetero.errors import ConfigError
+    from hetero.kinds import default_registry
+    from hetero.train.checkpoint_files import SafeFileSystemReader, read_manifest
+
+    checkpoint, path = Path(checkpoint), Path(path)
+    models = read_manifest(checkpoint)["identity"]["models"]
+    if module not in models:
+        raise ConfigError(f"{checkpoint} holds modules {', '.join(models)}, not {module!r}")
+    kind = default_registry()[models[module]["kind"]]
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(kind.config), models[module]["model"]))
+    model = kind.build(config)
+    state = {module: {"model": model.state_dict()}}
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)))
+    hf_config, name_of = kind.hf_export(config)
+    tensors = {hf: t.detach().cpu() for name, t in state[module]["model"].items() if (hf := name_of(name)) is not None}
+    path.mkdir(parents=True, exist_ok=True)
+    file = _shard_name(0, 1)
+    _write_atomically(path / file, lambda f: _save(tensors, f))
+    _finish(path, [file], hf_config)
+    return path
+
+
+def _finish(path: Path, files: list[str], config: dict) -> None:
+    """Write ``config.json`` and the index of ``files`` (already in ``path``), the index last."""
+    from safetensors import safe_open
+
+    weight_map, total = {}, 0
+    for file in files:
+        with safe_open(path / file, framework="pt") as handle:
+            for name in handle.keys():
+                weight_map[name] = file
+                sliced = handle.get_slice(name)
+                total += _numel(sliced.get_shape()) * DTYPES[sliced.get_dtype()].itemsize
+    _write_atomically(path / "config.json", lambda f: Path(f).write_text(json.dumps(config, indent=2)))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_atomically(path / INDEX, lambda f: Path(f).write_text(json.dumps(index, indent=2)))
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _shard_name(stage: int, stages: int) -> str:
+    return f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+
+
+def _save(tensors: dict[str, torch.Tensor], file: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file({name: t.contiguous() for name, t in tensors.items()}, file, metadata={"format": "pt"})
+
+
+def _write_atomically(final: Path, write) -> None:
+    temporary = final.with_name(f".{final.name}.partial")
+    write(str(temporary))
+    os.replace(temporary, final)

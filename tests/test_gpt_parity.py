@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hetero.config import OptimizerConfig
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.gpt.config import GPTConfig, RopeScaling
 from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
@@ -174,3 +174,21 @@ def build_runtime_with_bad_layout(rank, world_size, layout, config):
 def test_runtime_refuses_a_layout_the_model_cannot_take(layout, config, message):
     with pytest.raises(Exception, match=message):
         run_ranks(build_runtime_with_bad_layout, 2, layout, config, timeout_s=60)
+
+
+# Qwen-style blocks (hetero/kinds/gpt/hf.py imports them): biases on q, k, v, RMSNorm of each head's q and
+# k, a head_dim that is not hidden_size / num_heads, YaRN-scaled RoPE.
+QWEN = replace(CONFIG, qkv_bias=True, qk_norm=True, head_dim=16,
+               rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position=8))
+
+
+def train_qwen_cases(rank, world_size):
+    return {name: train_on_ranks(rank, world_size, *LAYOUTS[name], QWEN) for name in ("tp2", "tp2+sp")}
+
+
+def test_parity_of_qwen_style_blocks_under_tp2():
+    """The q/k norms' weights see half the heads per rank: their gradients must be summed over TP."""
+    results = run_ranks(train_qwen_cases, 2, timeout_s=300)
+    expected = reference(QWEN)
+    for name in ("tp2", "tp2+sp"):
+        print("\n" + check_parity([r[name] for r in results], expected, f"parity qwen-style {name}"))

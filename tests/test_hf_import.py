@@ -28,6 +28,8 @@ CASES = {
                                                      "original_max_position_embeddings": 16})),
     "qwen3: q/k norm, head_dim 16 (not hidden / heads)": (
         "Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
+    "qwen3 with two kv heads and tied embeddings": (
+        "Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
     "mistral: a window the sequence does not reach": (
         "MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=64)),
 }
@@ -95,13 +97,17 @@ def evaluated(rank, world_size, path, layout, batch):
     return runtime.evaluate([batch])["llm.loss"]
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2, "dp": 1}, {"pp": 2, "dp": 1}, {"cp": 2, "dp": 1}],
-                         ids=["tp2", "pp2", "cp2"])
-def test_an_imported_decoder_under_a_layout_gives_transformers_loss(tmp_path, layout):
-    """``llm.init.hf`` in an experiment: the Qwen2 case above (biases, GQA, yarn), on 2 ranks."""
+QWEN2, QWEN3 = "qwen2: biases on q, k, v, yarn scaling, sharded files", "qwen3 with two kv heads and tied embeddings"
+
+
+@pytest.mark.parametrize("case,layout", [(QWEN2, {"tp": 2, "dp": 1}), (QWEN2, {"pp": 2, "dp": 1}),
+                                         (QWEN2, {"cp": 2, "dp": 1}), (QWEN3, {"tp": 2, "dp": 1})],
+                         ids=["qwen2 tp2", "qwen2 pp2", "qwen2 cp2", "qwen3 tp2"])
+def test_an_imported_decoder_under_a_layout_gives_transformers_loss(tmp_path, case, layout):
+    """``llm.init.hf`` in an experiment, on 2 ranks."""
     from hetero.testing.multiprocess import run_ranks
 
-    config_class, model_class, fields = CASES["qwen2: biases on q, k, v, yarn scaling, sharded files"]
+    config_class, model_class, fields = CASES[case]
     reference = saved(tmp_path, config_class, model_class, fields, shard=True)
     tokens = torch.randint(0, SIZES["vocab_size"], (4, 40), generator=torch.Generator().manual_seed(2))
     labels = torch.cat([tokens[:, 1:], torch.full((4, 1), -100)], dim=1)

@@ -72,9 +72,6 @@ class GPTConfig:
         if self.rope_scaling.type not in ROPE_SCALINGS:
             errors.append(f"{module}.model.rope_scaling.type={self.rope_scaling.type!r} is not one of "
                           f"{', '.join(ROPE_SCALINGS)}")
-        if self.qk_norm and layout.tp > 1:
-            errors.append(f"{module}.model.qk_norm=true runs at tp=1 for now (its weights' gradients would "
-                          f"need a sum over the heads' TP ranks), but {module}.layout.tp={layout.tp}")
         if self.head_dim is None and self.hidden_size % self.num_heads:
             errors.append(
                 f"{module}.model.num_heads={self.num_heads} does not divide "

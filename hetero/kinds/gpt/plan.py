@@ -42,9 +42,11 @@ def keep_stage(model: GPT, stage: int, num_stages: int) -> None:
         model.output = None
 
 
-def block_plan(sequence_parallel: bool = False) -> dict[str, nn.Module]:
+def block_plan(sequence_parallel: bool = False, qk_norm: bool = False) -> dict[str, nn.Module]:
     """TP plan of a GPT ``Block``: heads and SwiGLU units split, the output projections reduce (into a
-    sequence-sharded residual stream under sequence parallelism)."""
+    sequence-sharded residual stream under sequence parallelism). The per-head norms of q and k see
+    this rank's heads (dim 1 of (batch, heads, seq, head_dim)): their weights are replicated and their
+    gradients partial sums over the TP group, reduced with the other partial gradients."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, nn.Module] = {
         "attention.wq": ColwiseParallel(),
@@ -55,6 +57,9 @@ def block_plan(sequence_parallel: bool = False) -> dict[str, nn.Module]:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
+    if qk_norm:
+        plan |= {"attention.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
+                 "attention.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True)}
     if sequence_parallel:
         plan |= {
             "attention_norm": SequenceParallel(),
@@ -81,7 +86,7 @@ def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool)
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, model.config.qk_norm))
     if model.config.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # same Shard(0) placement: re-tie the DTensor
 

@@ -204,3 +204,17 @@ def test_two_encoders_on_their_own_ranks_and_both_schedules_priced():
         if schedule == "phased":
             assert plan.step_s == pytest.approx(plan.costs["vision"].step_s + plan.costs["llm"].step_s + plan.boundary_s)
     assert steps["graph_1f1b"] < steps["phased"]
+
+
+def test_the_shipped_qwen_shaped_vlms_plan_on_their_clusters():
+    """The GPU experiments for pretrained weights (vlm_qwen_0_5b on one 8-GPU node, vlm_qwen_7b on 64):
+    every placement mode finds plans that fit, with a throughput below the peak."""
+    for name, cluster_name in (("vlm_qwen_0_5b", "h100_8"), ("vlm_qwen_7b", "h100_64")):
+        experiment, cluster = load_experiment(name), load_cluster(cluster_name)
+        plans = Planner(cluster, workload_of(experiment)).plans()
+        for mode, found in plans.items():
+            assert found, (name, mode)
+            assert found[0].memory_gib <= cluster.device.memory_gib
+            assert 0 < found[0].tflops_per_gpu < cluster.device.peak_tflops
+        plan = predict_configured(experiment, build_graph(experiment).placement, cluster)
+        assert plan.step_s > 0 and plan.mode == "colocated"

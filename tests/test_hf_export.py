@@ -8,12 +8,10 @@ import json
 
 import torch
 import transformers
-from test_hf_import import CASES, SIZES, saved
+from test_hf_import import CASES, SIZES, imported, saved
 
 from hetero.interop.hf_checkpoint import HFCheckpoint
 from hetero.interop.hf_export import export_hf
-from hetero.kinds.gpt.hf import import_gpt
-from hetero.kinds.gpt.model import GPT
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
@@ -65,9 +63,7 @@ def test_a_model_trained_at_tp2_pp2_loads_in_transformers(tmp_path):
     assert all(not torch.equal(original.tensor(n), exported.tensor(n)) for n in original.names())  # all trained
     for loss in losses:
         assert abs(loss - expected) / expected < 1e-5, (loss, expected)
-    config, state = import_gpt(tmp_path / "out")
-    ours = GPT(config)
-    ours.load_state_dict(state)
+    ours = imported(tmp_path / "out")
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs, mine = reference(batch(8)["tokens"]).logits, ours.eval()(batch(8)["tokens"])

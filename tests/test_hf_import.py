@@ -11,7 +11,8 @@ import torch
 import transformers
 
 from hetero.errors import ConfigError
-from hetero.kinds.gpt.hf import gpt_config, import_gpt
+from hetero.interop.hf_checkpoint import HFCheckpoint
+from hetero.kinds.gpt.hf import gpt_config, load_gpt
 from hetero.kinds.gpt.model import GPT
 
 SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -51,9 +52,7 @@ def test_an_imported_decoder_gives_transformers_logits(tmp_path, case):
     config_class, model_class, fields = CASES[case]
     reference = saved(tmp_path, config_class, model_class, fields, shard="sharded" in case)
     assert ("sharded" in case) == (tmp_path / "model.safetensors.index.json").exists()
-    config, state = import_gpt(tmp_path)
-    model = GPT(config)
-    model.load_state_dict(state, strict=True)
+    model = imported(tmp_path)
     tokens = torch.randint(0, SIZES["vocab_size"], (3, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(tokens).logits
@@ -61,6 +60,13 @@ def test_an_imported_decoder_gives_transformers_logits(tmp_path, case):
     error = ((got - expected).abs().max() / expected.abs().max()).item()
     print(f"\n{case}: logits relative error {error:.1e}")
     assert error < 1e-5
+
+
+def imported(path) -> GPT:
+    """A whole GPT from the HF checkpoint at ``path``, as ``llm.init.hf`` loads it in one process."""
+    model = GPT(gpt_config(HFCheckpoint(path).config))
+    load_gpt(model, path)
+    return model
 
 
 def hf_config(**changes):
@@ -94,17 +100,21 @@ def evaluated(rank, world_size, path, layout, batch):
     block = module("gpt", {"seq_len": batch["tokens"].shape[1]}, layout, init={"hf": str(path)})
     runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=len(batch["tokens"]),
                                        microbatches=2 if layout.get("pp", 1) > 1 else 1))
-    return runtime.evaluate([batch])["llm.loss"]
+    return runtime.evaluate([batch])["llm.loss"], runtime.modules["llm"].pretrained_bytes
 
 
 QWEN2, QWEN3 = "qwen2: biases on q, k, v, yarn scaling, sharded files", "qwen3 with two kv heads and tied embeddings"
 
 
-@pytest.mark.parametrize("case,layout", [(QWEN2, {"tp": 2, "dp": 1}), (QWEN2, {"pp": 2, "dp": 1}),
-                                         (QWEN2, {"cp": 2, "dp": 1}), (QWEN3, {"tp": 2, "dp": 1})],
-                         ids=["qwen2 tp2", "qwen2 pp2", "qwen2 cp2", "qwen3 tp2"])
-def test_an_imported_decoder_under_a_layout_gives_transformers_loss(tmp_path, case, layout):
-    """``llm.init.hf`` in an experiment, on 2 ranks."""
+@pytest.mark.parametrize("case,layout,share", [
+    (QWEN2, {"tp": 2, "dp": 1}, (0.5, 0.55)), (QWEN2, {"pp": 2, "dp": 1}, (0.4, 0.6)),
+    (QWEN2, {"cp": 2, "dp": 1}, (1.0, 1.0)), (QWEN3, {"tp": 2, "dp": 1}, (0.5, 0.55)),
+    (QWEN2, {"tp": 2, "pp": 2, "dp": 1}, (0.2, 0.3)),
+], ids=["qwen2 tp2", "qwen2 pp2", "qwen2 cp2", "qwen3 tp2", "qwen2 tp2·pp2"])
+def test_an_imported_decoder_under_a_layout_gives_transformers_loss(tmp_path, case, layout, share):
+    """``llm.init.hf`` in an experiment: the loss of transformers on every rank, each rank reading only
+    what it holds (``share``: the bounds of its part of the checkpoint's bytes; TP splits all but the
+    norms and Qwen3's per-head norms, a stage holds half the layers and one end, CP holds everything)."""
     from hetero.testing.multiprocess import run_ranks
 
     config_class, model_class, fields = CASES[case]
@@ -114,9 +124,14 @@ def test_an_imported_decoder_under_a_layout_gives_transformers_loss(tmp_path, ca
     with torch.no_grad():
         logits = reference(tokens).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
-    losses = run_ranks(evaluated, 2, tmp_path, layout, {"tokens": tokens, "labels": labels})
-    for loss in losses:
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
+    results = run_ranks(evaluated, world, tmp_path, layout, {"tokens": tokens, "labels": labels})
+    total = sum(t.numel() * t.element_size() for _, t in HFCheckpoint(tmp_path).tensors(HFCheckpoint(tmp_path).names()))
+    print(f"\n{case} {layout}: loss rel. errors " + ", ".join(f"{abs(l - expected) / expected:.1e}" for l, _ in results)
+          + "; bytes read per rank / checkpoint " + ", ".join(f"{r / total:.2f}" for _, r in results))
+    for loss, read in results:
         assert abs(loss - expected) / expected < 1e-5, (loss, expected)
+        assert share[0] <= read / total <= share[1], read / total
 
 
 def test_init_hf_takes_the_sizes_from_the_checkpoint_and_refuses_others(tmp_path):
@@ -133,3 +148,23 @@ def test_init_hf_takes_the_sizes_from_the_checkpoint_and_refuses_others(tmp_path
     with pytest.raises(ConfigError, match=r"vision\.init\.hf: vit modules import no Hugging Face checkpoints"):
         experiment(1, {"vision": module("vit", {}, {"dp": 1}, init={"hf": str(tmp_path)})},
                    global_batch=2, microbatches=1).model_config("vision")
+
+
+def test_a_weight_the_gpt_has_no_place_for_or_lacks_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from hetero.testing.experiments import experiment, module
+
+    saved(tmp_path, *CASES["mistral: a window the sequence does not reach"])
+    weights = load_file(tmp_path / "model.safetensors")
+
+    def config_with(tensors):
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        return experiment(1, {"llm": module("gpt", {}, {"dp": 1}, init={"hf": str(tmp_path)})},
+                          global_batch=2, microbatches=1).model_config("llm")
+
+    with pytest.raises(ConfigError, match=r"weights layers\.0\.attention\.wo\.bias have no place in this GPT"):
+        config_with(weights | {"model.layers.0.self_attn.o_proj.bias": torch.zeros(SIZES["hidden_size"])})
+    with pytest.raises(ConfigError, match=r"lacks weights layers\.1\.ffn_norm\.weight"):
+        config_with({k: v for k, v in weights.items() if k != "model.layers.1.post_attention_layernorm.weight"})
+    assert config_with(weights).num_layers == 2

@@ -1,6 +1,8 @@
 """A Hugging Face checkpoint directory: ``config.json`` and its weights, one ``model.safetensors`` or
 shards listed by ``model.safetensors.index.json``. Tensors are read lazily, one at a time (or a slice
-of one), so a caller that takes only what it holds never has the whole model in memory.
+of one), so a caller that takes only what it holds never has the whole model in memory:
+``load_into`` fills a parallelized model (DTensor shards of TP or FSDP2, a pipeline stage's layers)
+with the slices each rank holds. ``bytes_read`` counts what was read.
 
 Needs the ``hf`` extra (``safetensors``).
 """
@@ -36,6 +38,7 @@ class HFCheckpoint:
                 self.files = dict.fromkeys(handle.keys(), self.path / SINGLE)
         else:
             raise ConfigError(f"{self.path} has no {SINGLE} or {INDEX}; hetero reads safetensors weights only")
+        self.bytes_read = 0
 
     def names(self) -> list[str]:
         return list(self.files)
@@ -47,7 +50,9 @@ class HFCheckpoint:
         if name not in self.files:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         with safe_open(self.files[name], framework="pt") as handle:
-            return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+            tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
     def dtype(self, name: str) -> torch.dtype:
         """The dtype tensor ``name`` is stored in."""
@@ -67,3 +72,31 @@ class HFCheckpoint:
             with safe_open(file, framework="pt") as handle:
                 for name in held:
                     yield name, handle.get_tensor(name)
+
+
+def load_into(model: torch.nn.Module, checkpoint: HFCheckpoint, hf_name) -> int:
+    """Copy into every weight of ``model`` (materialized, e.g. after ``to_empty``) the slice of checkpoint
+    tensor ``hf_name(name)`` that this rank holds: a DTensor's local shard, a plain tensor whole. A
+    weight ``hf_name`` maps to None (an output layer tied to the embedding) is skipped. Returns the
+    bytes read."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        hf = hf_name(name.replace("._checkpoint_wrapped_module", ""))
+        if hf is None:
+            continue
+        if hf not in checkpoint.files:
+            raise ConfigError(f"{checkpoint.path} has no weight {hf!r} (for {name})")
+        if isinstance(tensor, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+            local, index = tensor.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
+        else:
+            local, index = tensor, None
+        data = checkpoint.tensor(hf, index)
+        if tuple(data.shape) != tuple(local.shape):
+            raise ConfigError(f"{checkpoint.path}: {hf} has shape {tuple(data.shape)} where {name} takes "
+                              f"{tuple(local.shape)}")
+        with torch.no_grad():
+            local.copy_(data.to(local.dtype))
+    return checkpoint.bytes_read

@@ -129,8 +129,9 @@ class Kind:
         (a callable; None leaves a weight out, e.g. an output layer tied to the embedding)."""
         raise ConfigError(f"{self.name} modules export no Hugging Face checkpoints")
 
-    def load_pretrained(self, model: nn.Module, path: str) -> None:
-        """Copy the checkpoint's weights into ``model`` (as ``build`` made it, before ``parallelize``)."""
+    def load_pretrained(self, model: nn.Module, path: str) -> int:
+        """Fill ``model`` (parallelized, its weights allocated but not set) from the checkpoint, each rank
+        reading only what it holds; the bytes read."""
         raise NotImplementedError
 
     def data_keys(self, config: Any) -> tuple[str, ...]:

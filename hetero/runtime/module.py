@@ -38,11 +38,17 @@ class ModuleState:
         self.node, self.name, self.mesh, self.seed, self.device = node, node.name, mesh, seed, device
         self.outer_comm = outer_comm
         torch.manual_seed(seed + node.index)  # every rank builds the whole model, then keeps its part
-        with torch.device(device):  # on a GPU built there: no host-side init and copy of every weight
-            built = node.kind.build(node.config).to(device)  # .to: anything a kind placed explicitly
-            if node.settings.init.hf is not None:
-                node.kind.load_pretrained(built, node.settings.init.hf)
-        self.model = node.kind.parallelize(built, mesh, node.options)
+        pretrained = node.settings.init.hf
+        self.pretrained_bytes = 0  # read from init.hf by this rank
+        if pretrained is None:
+            with torch.device(device):  # on a GPU built there: no host-side init and copy of every weight
+                built = node.kind.build(node.config).to(device)  # .to: anything a kind placed explicitly
+            self.model = node.kind.parallelize(built, mesh, node.options)
+        else:  # only this rank's part is ever allocated, then read from the checkpoint
+            with torch.device("meta"):
+                built = node.kind.build(node.config)
+            self.model = node.kind.parallelize(built, mesh, node.options).to_empty(device=device)
+            self.pretrained_bytes = node.kind.load_pretrained(self.model, pretrained)
         self.optimizer = build_adamw(self.model, node.settings.optim, fused=device.type == "cuda")
         self.replica_sync = self._replica_sync()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hetero.errors import ConfigError
-from hetero.interop.hf_checkpoint import HFCheckpoint
+from hetero.interop.hf_checkpoint import HFCheckpoint, load_into
 from hetero.kinds.gpt.config import GPTConfig, RopeScaling
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -144,15 +144,33 @@ def gpt_name(hf_name: str) -> str:
     raise ConfigError(f"HF weight {hf_name!r} has no place in hetero's GPT")
 
 
-def import_gpt(path: str | Path, seq_len: int | None = None, module: str = "llm") -> tuple[GPTConfig, dict]:
-    """The GPT config and full state dict (hetero's names) of the HF checkpoint at ``path``."""
-    checkpoint = HFCheckpoint(path)
-    config = gpt_config(checkpoint.config, seq_len, module)
-    state: dict[str, torch.Tensor] = {gpt_name(name): tensor for name, tensor in checkpoint.tensors(checkpoint.names())}
-    if config.tie_embeddings:
-        state.pop("output.weight", None)  # tied: the embedding is the output layer
-        state["output.weight"] = state["tok_embeddings.weight"]
-    return config, state
+def check_weights(checkpoint: HFCheckpoint, config: GPTConfig, module: str = "llm") -> None:
+    """Refuse a checkpoint holding a weight the GPT has no place for (an output projection's bias, a
+    layer past ``num_layers``), or lacking one it needs: nothing is silently left out."""
+    where = f"{module}.init.hf ({checkpoint.path})"
+    have = {gpt_name(name) for name in checkpoint.names()}
+    names = weight_names(config)
+    need = {name for name in gpt_weights(config) if names(name) is not None}
+    if extra := sorted(have - need - {"output.weight"}):
+        raise ConfigError(f"{where}: weights {', '.join(extra[:4])} have no place in this GPT")
+    if missing := sorted(need - have):
+        raise ConfigError(f"{where}: lacks weights {', '.join(missing[:4])}")
+
+
+def gpt_weights(config: GPTConfig) -> list[str]:
+    """Every weight name of a whole (unsplit) GPT of ``config``."""
+    with torch.device("meta"):
+        from hetero.kinds.gpt.model import GPT
+
+        return list(GPT(config).state_dict())
+
+
+def weight_names(config: GPTConfig):
+    """HF's name of each weight of a GPT of ``config``, None for an output layer tied to the embedding."""
+    def name_of(name: str) -> str | None:
+        return None if config.tie_embeddings and name == "output.weight" else hf_name(name)
+
+    return name_of
 
 
 _OUT_LAYER = {ours: theirs for theirs, ours in _IN_LAYER.items()}
@@ -204,3 +222,9 @@ def hf_config(config: GPTConfig) -> dict:
     if model_type != "qwen2":
         out["attention_bias"] = False
     return out
+
+
+def load_gpt(model, path: str | Path) -> int:
+    """Fill ``model`` (a GPT, whole or parallelized and materialized) from the HF checkpoint at ``path``,
+    each rank reading only the slices it holds; the bytes read."""
+    return load_into(model, HFCheckpoint(path), weight_names(model.config))

@@ -46,27 +46,26 @@ class GPTKind(Kind):
 
     def pretrained_config(self, module, path, fields):
         from hetero.interop.hf_checkpoint import HFCheckpoint
-        from hetero.kinds.gpt.hf import gpt_config
+        from hetero.kinds.gpt.hf import check_weights, gpt_config
 
         given = sorted(set(fields) - {"seq_len"})
         if given:
             raise ConfigError(f"{module}.model.{given[0]} comes from {module}.init.hf's config.json; remove it "
                               f"(with init.hf, {module}.model sets seq_len only)")
-        return gpt_config(HFCheckpoint(path).config, fields.get("seq_len"), module)
+        checkpoint = HFCheckpoint(path)
+        config = gpt_config(checkpoint.config, fields.get("seq_len"), module)
+        check_weights(checkpoint, config, module)
+        return config
 
     def hf_export(self, config):
-        from hetero.kinds.gpt.hf import hf_config, hf_name
+        from hetero.kinds.gpt.hf import hf_config, weight_names
 
-        def name_of(name: str) -> str | None:
-            return None if config.tie_embeddings and name == "output.weight" else hf_name(name)
-
-        return hf_config(config), name_of
+        return hf_config(config), weight_names(config)
 
     def load_pretrained(self, model, path):
-        from hetero.kinds.gpt.hf import import_gpt
+        from hetero.kinds.gpt.hf import load_gpt
 
-        _, state = import_gpt(path, model.config.seq_len)
-        model.load_state_dict(state, strict=True)
+        return load_gpt(model, path)
 
     def data_keys(self, config: GPTConfig) -> tuple[str, ...]:
         return ("tokens", "labels")

@@ -38,7 +38,7 @@ CASES = {
 
 def saved(tmp_path, config_class, model_class, fields, shard=False):
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**SIZES, **fields)
+    config = getattr(transformers, config_class)(**(SIZES | fields))
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         for parameter in model.parameters():

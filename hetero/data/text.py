@@ -1,8 +1,10 @@
-"""Byte-level text data from Python's own standard library sources.
+"""Text data from Python's own standard library sources, byte-level or through a Hugging Face tokenizer.
 
 Every machine with Python carries a few megabytes of real English (comments, docstrings) mixed with real
-code, so a language model can be trained and evaluated on it without any download. Token ids are byte
-values, so the vocabulary is fixed at 256 and a mean loss in nats converts directly to bits per byte.
+code, so a language model can be trained and evaluated on it without any download. By default token ids
+are byte values, so the vocabulary is fixed at 256 and a mean loss in nats converts directly to bits per
+byte. ``tokenized`` encodes the same corpus with a ``tokenizer.json`` (HF ``tokenizers``, the ``hf``
+extra), e.g. the one beside a pretrained LLM's weights.
 """
 
 import hashlib
@@ -95,6 +97,35 @@ def load_stdlib_corpus(max_bytes: int = 8_000_000, heldout_every: int = 20) -> T
     return corpus
 
 
+def tokenized(corpus: TextCorpus, tokenizer: Path) -> TextCorpus:
+    """``corpus`` with each split encoded by the tokenizer in ``tokenizer`` (a ``tokenizer.json``): 1-D
+    int32 token ids, each file encoded on its own and joined by the encoded separator. Cached beside the
+    byte corpus, keyed by the tokenizer file's hash."""
+    from tokenizers import Tokenizer
+
+    digest = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()[:16]
+    cache_dir = Path(os.environ.get("HETERO_CACHE_DIR", Path.home() / ".cache" / "hetero"))
+    key = hashlib.sha256(corpus.train[:4096].numpy().tobytes() + str(corpus.summary()).encode()).hexdigest()[:16]
+    path = cache_dir / f"stdlib-tokens-{key}-{digest}.pt"
+    if path.exists():
+        return TextCorpus(**torch.load(path, weights_only=True))
+    encoder = Tokenizer.from_file(str(tokenizer))
+
+    def encode_split(data: torch.Tensor) -> torch.Tensor:
+        texts = bytes(data.numpy()).split(SEPARATOR)
+        separator = encoder.encode(SEPARATOR.decode(), add_special_tokens=False).ids
+        ids: list[int] = []
+        for i, encoding in enumerate(encoder.encode_batch([t.decode("utf-8", errors="replace") for t in texts],
+                                                          add_special_tokens=False)):
+            ids += (separator if i else []) + encoding.ids
+        return torch.tensor(ids, dtype=torch.int32)
+
+    result = TextCorpus(encode_split(corpus.train), encode_split(corpus.heldout), corpus.train_files,
+                        corpus.heldout_files)
+    _save_atomically(vars(result), path)
+    return result
+
+
 def sample_batch(
     data: torch.Tensor, batch_size: int, seq_len: int, step: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +193,7 @@ def _step_seed(seed: int, step: int) -> int:
 
 def _check_length(data: torch.Tensor, seq_len: int) -> None:
     if data.numel() < seq_len + 1:
-        raise ValueError(f"data has {data.numel()} bytes; seq_len={seq_len} needs at least {seq_len + 1}")
+        raise ValueError(f"data has {data.numel()} tokens; seq_len={seq_len} needs at least {seq_len + 1}")
 
 
 def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

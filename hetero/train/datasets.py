@@ -12,11 +12,13 @@ barrier); they are real data that installs with the packages (``hetero.data``).
   probability (``train.presence``);
 - ``video_clips``: clips that revisit a scene (``clips``, ``revisit``, ``index``);
 - ``genome``: windows of a bacterial chromosome (``dna``, ``dna_regions``);
-- ``stdlib_text``: byte-level windows of Python's standard-library sources (``tokens``, ``labels``).
+- ``stdlib_text``: windows of Python's standard-library sources (``tokens``, ``labels``): bytes, or the
+  tokens of the ``tokenizer.json`` beside the LLM's ``init.hf`` checkpoint when it has one.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -27,7 +29,7 @@ from hetero.data.digit_dna import DigitDnaBatches
 from hetero.data.digits import DigitBatches, ensure_digit_shards
 from hetero.data.genome import GenomeOptions, GenomeWindows, ensure_genome_shards, genome_shards
 from hetero.data.multimodal import MultimodalBatches
-from hetero.data.text import heldout_batches, load_stdlib_corpus, sample_batch
+from hetero.data.text import heldout_batches, load_stdlib_corpus, sample_batch, tokenized
 from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph, Node
@@ -62,10 +64,13 @@ class Renamed:
 
 
 class TextWindows:
-    """Random training windows of a byte corpus per step; held-out windows spread over its held-out part."""
+    """Random training windows of the text corpus per step; held-out windows spread over its held-out
+    part. Byte tokens, or ``tokenizer``'s (a ``tokenizer.json``) when given."""
 
-    def __init__(self, split: str, global_batch_size: int, seq_len: int, seed: int):
+    def __init__(self, split: str, global_batch_size: int, seq_len: int, seed: int, tokenizer: Path | None = None):
         corpus = load_stdlib_corpus()
+        if tokenizer is not None:
+            corpus = tokenized(corpus, tokenizer)
         self.split, self.global_batch_size, self.seq_len, self.seed = split, global_batch_size, seq_len, seed
         self.data = corpus.train if split == "train" else corpus.heldout
 
@@ -76,6 +81,14 @@ class TextWindows:
     def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
         return [{"tokens": t, "labels": y}
                 for t, y in heldout_batches(self.data, self.global_batch_size, self.seq_len, TEXT_HELDOUT_BATCHES)]
+
+
+def tokenizer_of(llm: Node) -> Path | None:
+    """The ``tokenizer.json`` beside ``llm``'s ``init.hf`` checkpoint, if there is one (else bytes)."""
+    if llm.settings.init.hf is None:
+        return None
+    path = Path(llm.settings.init.hf) / "tokenizer.json"
+    return path if path.is_file() else None
 
 
 def _reader(graph: Graph, key: str, dataset: str) -> Node:
@@ -149,7 +162,7 @@ def load(experiment: ExperimentConfig, graph: Graph, split: str) -> Batches:
         windows = GenomeWindows(_genome_dir(experiment, graph, dataset), split, size, seed)
         return Renamed(windows, {"bases": "dna", "regions": "dna_regions"})
     if dataset == "stdlib_text":
-        return TextWindows(split, size, seq_len, seed)
+        return TextWindows(split, size, seq_len, seed, tokenizer_of(llm))
     raise ConfigError(f"train.dataset={dataset!r} is not one of {', '.join(DATASETS)}")
 
 
@@ -178,3 +191,10 @@ def check(experiment: ExperimentConfig, graph: Graph) -> None:
                 f"{node.name} ({node.kind.name}) reads {', '.join(missing)}, which train.dataset={dataset} does not "
                 f"provide (it provides {', '.join(COLUMNS[dataset])}); choose a dataset with them"
             )
+    if dataset == "stdlib_text" and (tokenizer := tokenizer_of(llm := _reader(graph, "tokens", dataset))):
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_file(str(tokenizer)).get_vocab_size(with_added_tokens=True)
+        if size > llm.config.vocab_size:
+            raise ConfigError(f"{tokenizer} has {size} tokens but {llm.name}.model.vocab_size="
+                              f"{llm.config.vocab_size}; use the tokenizer that came with the weights")

@@ -100,20 +100,44 @@ def evaluated(rank, world_size, path, layout, batch):
     block = module("gpt", {"seq_len": batch["tokens"].shape[1]}, layout, init={"hf": str(path)})
     runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=len(batch["tokens"]),
                                        microbatches=2 if layout.get("pp", 1) > 1 else 1))
-    return runtime.evaluate([batch])["llm.loss"], runtime.modules["llm"].pretrained_bytes
+    loss = runtime.evaluate([batch])["llm.loss"]
+    return loss, runtime.modules["llm"].pretrained_bytes, stage_logits(runtime.modules["llm"], batch["tokens"])
+
+
+def stage_logits(module, tokens):
+    """The whole batch's logits on the last stage's ranks (None elsewhere): each stage's model applied in
+    turn, hidden states handed to the next stage's rank of the same TP coordinate; TP logits gathered.
+    Layouts without CP only (a CP rank holds part of each sequence)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    mesh = module.mesh
+    if mesh.layout.cp > 1:
+        return None
+    with torch.no_grad():
+        x = tokens
+        if not mesh.is_first_stage:
+            x = torch.empty(*tokens.shape, module.model.config.hidden_size)
+            dist.recv(x, mesh.layout.rank_at(mesh.coord._replace(pp=mesh.coord.pp - 1)))
+        out = module.model(x)
+        if not mesh.is_last_stage:
+            dist.send(out.contiguous(), mesh.layout.rank_at(mesh.coord._replace(pp=mesh.coord.pp + 1)))
+            return None
+    return out.full_tensor() if isinstance(out, DTensor) else out
 
 
 QWEN2, QWEN3 = "qwen2: biases on q, k, v, yarn scaling, sharded files", "qwen3 with two kv heads and tied embeddings"
+LLAMA = "llama 3: GQA, theta 5e5, llama3 scaling, tied embeddings, eps 1e-6"
 
 
 @pytest.mark.parametrize("case,layout,share", [
     (QWEN2, {"tp": 2, "dp": 1}, (0.5, 0.55)), (QWEN2, {"pp": 2, "dp": 1}, (0.4, 0.6)),
     (QWEN2, {"cp": 2, "dp": 1}, (1.0, 1.0)), (QWEN3, {"tp": 2, "dp": 1}, (0.5, 0.55)),
-    (QWEN2, {"tp": 2, "pp": 2, "dp": 1}, (0.2, 0.3)),
-], ids=["qwen2 tp2", "qwen2 pp2", "qwen2 cp2", "qwen3 tp2", "qwen2 tp2·pp2"])
+    (QWEN2, {"tp": 2, "pp": 2, "dp": 1}, (0.2, 0.3)), (LLAMA, {"tp": 2, "dp": 1}, (0.5, 0.55)),
+], ids=["qwen2 tp2", "qwen2 pp2", "qwen2 cp2", "qwen3 tp2", "qwen2 tp2·pp2", "llama tp2"])
 def test_an_imported_decoder_under_a_layout_gives_transformers_loss(tmp_path, case, layout, share):
-    """``llm.init.hf`` in an experiment: the loss of transformers on every rank, each rank reading only
-    what it holds (``share``: the bounds of its part of the checkpoint's bytes; TP splits all but the
+    """``llm.init.hf`` in an experiment: the loss of transformers on every rank and, without CP, its logits
+    on every last-stage rank; each rank reading only what it holds (``share``: the bounds of its part of the checkpoint's bytes; TP splits all but the
     norms and Qwen3's per-head norms, a stage holds half the layers and one end, CP holds everything)."""
     from hetero.testing.multiprocess import run_ranks
 
@@ -127,9 +151,13 @@ def test_an_imported_decoder_under_a_layout_gives_transformers_loss(tmp_path, ca
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     results = run_ranks(evaluated, world, tmp_path, layout, {"tokens": tokens, "labels": labels})
     total = sum(t.numel() * t.element_size() for _, t in HFCheckpoint(tmp_path).tensors(HFCheckpoint(tmp_path).names()))
-    print(f"\n{case} {layout}: loss rel. errors " + ", ".join(f"{abs(l - expected) / expected:.1e}" for l, _ in results)
-          + "; bytes read per rank / checkpoint " + ", ".join(f"{r / total:.2f}" for _, r in results))
-    for loss, read in results:
+    errors = [((got - logits).abs().max() / logits.abs().max()).item() for *_, got in results if got is not None]
+    print(f"\n{case} {layout}: loss rel. errors " + ", ".join(f"{abs(r[0] - expected) / expected:.1e}" for r in results)
+          + "; bytes read per rank / checkpoint " + ", ".join(f"{r[1] / total:.2f}" for r in results)
+          + "; last stage's logits rel. errors " + (", ".join(f"{e:.1e}" for e in errors) or "- (CP)"))
+    assert len(errors) == (0 if layout.get("cp", 1) > 1 else layout.get("tp", 1))  # every last-stage rank
+    assert all(error < 1e-5 for error in errors), errors
+    for loss, read, _ in results:
         assert abs(loss - expected) / expected < 1e-5, (loss, expected)
         assert share[0] <= read / total <= share[1], read / total
 

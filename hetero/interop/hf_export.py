@@ -16,6 +16,7 @@ gives the same files' tensors bit for bit.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -91,17 +92,10 @@ def _finish(path: Path, files: list[str], config: dict) -> None:
             for name in handle.keys():
                 weight_map[name] = file
                 sliced = handle.get_slice(name)
-                total += _numel(sliced.get_shape()) * DTYPES[sliced.get_dtype()].itemsize
+                total += math.prod(sliced.get_shape()) * DTYPES[sliced.get_dtype()].itemsize
     _write_atomically(path / "config.json", lambda f: Path(f).write_text(json.dumps(config, indent=2)))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _write_atomically(path / INDEX, lambda f: Path(f).write_text(json.dumps(index, indent=2)))
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _shard_name(stage: int, stages: int) -> str:

@@ -21,6 +21,7 @@ import torch
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint, load_into
 from hetero.kinds.gpt.config import GPTConfig, RopeScaling
+from hetero.kinds.gpt.model import GPT
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3"}
@@ -158,10 +159,8 @@ def check_weights(checkpoint: HFCheckpoint, config: GPTConfig, module: str = "ll
 
 
 def gpt_weights(config: GPTConfig) -> list[str]:
-    """Every weight name of a whole (unsplit) GPT of ``config``."""
+    """Every weight name of a whole (unsplit) GPT of ``config`` (built on the meta device: no memory)."""
     with torch.device("meta"):
-        from hetero.kinds.gpt.model import GPT
-
         return list(GPT(config).state_dict())
 
 

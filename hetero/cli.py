@@ -50,6 +50,7 @@ BENCHMARKS = {
     "compression": "hetero.bench.compression",
     "cp-attention": "hetero.bench.cp_attention",
     "genezip": "hetero.bench.genezip",
+    "hf-load": "hetero.bench.hf_load",
     "graph": "hetero.bench.graph",
     "overhead": "hetero.bench.overhead",
     "plan-accuracy": "hetero.bench.plan_accuracy",

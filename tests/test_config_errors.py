@@ -227,6 +227,15 @@ CASES = {
         setter("llm.kind", "os.system"),
         r"llm\.kind='os\.system' is not a known module kind; use one of gpt, vit",
     ),
+    "a vision activation hetero does not model": (
+        setter("vision.model.activation", "relu"),
+        r"vision\.model\.activation='relu' is not one of gelu, gelu_tanh, quick_gelu",
+    ),
+    "a projector width on a tower without its projector": (
+        both(setter("vision.model.projector", False), setter("vision.model.out_size", 48)),
+        r"vision\.model\.out_size=48 is the projector's width, but projector=false hands on the features "
+        r"\(hidden_size=64\); set vision\.model\.out_size=64",
+    ),
     "unknown non-finite policy": (
         setter("train", {"nonfinite": "ignore"}),
         r"train\.nonfinite='ignore' is not one of skip, stop",
@@ -378,11 +387,18 @@ def graph_with(change):
                                                                            "compensation": "none"}}, raw["edges"][1]]),
          r"edges\[0\] \(vision -> llm\): a compressed edge carries whole sequences; run vision and llm with cp=1 and "
          r"sequence_parallel=false, or turn edges\[0\]\.compression off"),
+        (lambda raw: raw.update(vision={**raw["vision"], "model": {**raw["vision"]["model"], "projector": False}},
+                                projector={"kind": "projector", "model": {"in_size": 32, "out_size": 32, "tokens": 9},
+                                           "layout": {"dp": 2}},
+                                edges=[{"src": "vision", "dst": "projector"}, {"src": "projector", "dst": "llm"},
+                                       raw["edges"][1]]),
+         r"edges\[0\] \(vision -> projector\): vision hands on 4 tokens per row but projector's input features takes "
+         r"9; make projector\.model match vision's 4 tokens"),
     ],
     ids=["an edge from a module without outputs", "a self-edge", "a condition nothing feeds", "a module no edge reaches",
          "an unknown output port", "a duplicate edge", "two edges into one condition", "placeholders past the sequence",
          "an unknown schedule", "bubble filling by another name", "an encoder under sequence parallelism at an edge",
-         "a compressed edge into a context-parallel LLM"],
+         "a compressed edge into a context-parallel LLM", "a projector taking another token count than the tower's"],
 )
 def test_a_graph_that_cannot_run_is_refused_naming_the_fix(change, message):
     with pytest.raises(ConfigError, match=message):
@@ -419,5 +435,5 @@ def test_kinds_register_once_and_unknown_ones_are_listed():
     with pytest.raises(ConfigError, match=r"cannot register kind GPTKind: 'gpt' is already registered"):
         registry.register(GPTKind())
     with pytest.raises(ConfigError, match=r"llm\.kind='mamba' is not a known module kind; use one of gpt, vit, "
-                                          r"genezip, video \(or register yours"):
+                                          r"projector, genezip, video \(or register yours"):
         build_graph(graph_with(lambda raw: raw["llm"].update(kind="mamba")), registry)

@@ -56,7 +56,7 @@ def test_vit_flops_from_parameter_count():
     block_weights = sum(_linear_weights(b) for b in model.layers.values())
     expected = (2 * p * model.patch_embed.weight.numel() + s * 2 * block_weights
                 + len(model.layers) * 4 * s * s * config.hidden_size
-                + 2 * p * (model.proj_in.weight.numel() + model.proj_out.weight.numel()))
+                + 2 * p * (model.projector.proj_in.weight.numel() + model.projector.proj_out.weight.numel()))
     assert len(model.layers) == 2  # blocks after feature_layer never run and are not counted
     assert vit_forward_flops_per_image(config) == expected
     assert counted_forward_flops(model, torch.randn(2, 3, 16, 16)) == 2 * expected

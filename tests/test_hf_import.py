@@ -31,6 +31,8 @@ CASES = {
         "Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=16)),
     "qwen3 with two kv heads and tied embeddings": (
         "Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+    "qwen3 with two kv heads, untied": (
+        "Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)),
     "mistral: a window the sequence does not reach": (
         "MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=64)),
 }
@@ -105,39 +107,47 @@ def evaluated(rank, world_size, path, layout, batch):
 
 
 def stage_logits(module, tokens):
-    """The whole batch's logits on the last stage's ranks (None elsewhere): each stage's model applied in
-    turn, hidden states handed to the next stage's rank of the same TP coordinate; TP logits gathered.
-    Layouts without CP only (a CP rank holds part of each sequence)."""
+    """The logits on the last stage's ranks (None elsewhere), with the positions they are of: each stage's
+    model applied in turn, hidden states handed to the next stage's rank of the same TP and CP
+    coordinates; TP logits gathered; under CP a rank's zigzag chunks of the sequence."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from hetero.parallel.context import split_for_cp, zigzag_indices
+
     mesh = module.mesh
-    if mesh.layout.cp > 1:
-        return None
+    cp, seq = mesh.layout.cp, tokens.shape[1]
+    positions = torch.arange(seq)
+    if cp > 1:
+        tokens, positions = split_for_cp(tokens, 1, cp, mesh.coord.cp), zigzag_indices(seq, cp, mesh.coord.cp)
     with torch.no_grad():
         x = tokens
         if not mesh.is_first_stage:
             x = torch.empty(*tokens.shape, module.model.config.hidden_size)
             dist.recv(x, mesh.layout.rank_at(mesh.coord._replace(pp=mesh.coord.pp - 1)))
-        out = module.model(x)
+        out = module.model(x, positions)
         if not mesh.is_last_stage:
             dist.send(out.contiguous(), mesh.layout.rank_at(mesh.coord._replace(pp=mesh.coord.pp + 1)))
             return None
-    return out.full_tensor() if isinstance(out, DTensor) else out
+    return positions, out.full_tensor() if isinstance(out, DTensor) else out
 
 
 QWEN2, QWEN3 = "qwen2: biases on q, k, v, yarn scaling, sharded files", "qwen3 with two kv heads and tied embeddings"
 LLAMA = "llama 3: GQA, theta 5e5, llama3 scaling, tied embeddings, eps 1e-6"
+QWEN3_UNTIED, MISTRAL = "qwen3 with two kv heads, untied", "mistral: a window the sequence does not reach"
 
 
 @pytest.mark.parametrize("case,layout,share", [
     (QWEN2, {"tp": 2, "dp": 1}, (0.5, 0.55)), (QWEN2, {"pp": 2, "dp": 1}, (0.4, 0.6)),
     (QWEN2, {"cp": 2, "dp": 1}, (1.0, 1.0)), (QWEN3, {"tp": 2, "dp": 1}, (0.5, 0.55)),
     (QWEN2, {"tp": 2, "pp": 2, "dp": 1}, (0.2, 0.3)), (LLAMA, {"tp": 2, "dp": 1}, (0.5, 0.55)),
-], ids=["qwen2 tp2", "qwen2 pp2", "qwen2 cp2", "qwen3 tp2", "qwen2 tp2·pp2", "llama tp2"])
+    (QWEN3, {"cp": 2, "dp": 1}, (1.0, 1.0)), (LLAMA, {"cp": 2, "dp": 1}, (1.0, 1.0)),
+    (QWEN3_UNTIED, {"tp": 2, "pp": 2, "dp": 1}, (0.2, 0.3)), (MISTRAL, {"tp": 2, "pp": 2, "dp": 1}, (0.2, 0.3)),
+], ids=["qwen2 tp2", "qwen2 pp2", "qwen2 cp2", "qwen3 tp2", "qwen2 tp2·pp2", "llama tp2", "qwen3 cp2", "llama cp2",
+        "qwen3 tp2·pp2", "mistral tp2·pp2"])
 def test_an_imported_decoder_under_a_layout_gives_transformers_loss(tmp_path, case, layout, share):
-    """``llm.init.hf`` in an experiment: the loss of transformers on every rank and, without CP, its logits
-    on every last-stage rank; each rank reading only what it holds (``share``: the bounds of its part of the checkpoint's bytes; TP splits all but the
+    """``llm.init.hf`` in an experiment: the loss of transformers on every rank and its logits on every
+    last-stage rank (under CP, at the positions the rank holds); each rank reading only what it holds (``share``: the bounds of its part of the checkpoint's bytes; TP splits all but the
     norms and Qwen3's per-head norms, a stage holds half the layers and one end, CP holds everything)."""
     from hetero.testing.multiprocess import run_ranks
 
@@ -151,29 +161,37 @@ def test_an_imported_decoder_under_a_layout_gives_transformers_loss(tmp_path, ca
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     results = run_ranks(evaluated, world, tmp_path, layout, {"tokens": tokens, "labels": labels})
     total = sum(t.numel() * t.element_size() for _, t in HFCheckpoint(tmp_path).tensors(HFCheckpoint(tmp_path).names()))
-    errors = [((got - logits).abs().max() / logits.abs().max()).item() for *_, got in results if got is not None]
+    errors = [((got - logits[:, where]).abs().max() / logits.abs().max()).item()
+              for *_, held in results if held is not None for where, got in [held]]
     print(f"\n{case} {layout}: loss rel. errors " + ", ".join(f"{abs(r[0] - expected) / expected:.1e}" for r in results)
           + "; bytes read per rank / checkpoint " + ", ".join(f"{r[1] / total:.2f}" for r in results)
-          + "; last stage's logits rel. errors " + (", ".join(f"{e:.1e}" for e in errors) or "- (CP)"))
-    assert len(errors) == (0 if layout.get("cp", 1) > 1 else layout.get("tp", 1))  # every last-stage rank
+          + "; last stage's logits rel. errors " + ", ".join(f"{e:.1e}" for e in errors))
+    assert len(errors) == layout.get("tp", 1) * layout.get("cp", 1)  # every last-stage rank
     assert all(error < 1e-5 for error in errors), errors
     for loss, read, _ in results:
         assert abs(loss - expected) / expected < 1e-5, (loss, expected)
         assert share[0] <= read / total <= share[1], read / total
 
 
-def test_init_hf_takes_the_sizes_from_the_checkpoint_and_refuses_others(tmp_path):
+def test_init_hf_takes_the_sizes_from_the_checkpoint_and_refuses_others_that_disagree(tmp_path):
     from hetero.testing.experiments import experiment, module
 
     saved(tmp_path, *CASES["qwen3: q/k norm, head_dim 16 (not hidden / heads)"])
     config = experiment(1, {"llm": module("gpt", {"seq_len": 24}, {"dp": 1}, init={"hf": str(tmp_path)})},
                         global_batch=2, microbatches=1).model_config("llm")
     assert (config.seq_len, config.hidden_size, config.head_size, config.qk_norm) == (24, 32, 16, True)
-    with pytest.raises(ConfigError, match=r"llm\.model\.hidden_size comes from llm\.init\.hf's config\.json; "
-                                          r"remove it \(with init\.hf, llm\.model sets seq_len only\)"):
+    with pytest.raises(ConfigError, match=r"llm\.model\.hidden_size=64 disagrees with llm\.init\.hf's config\.json, "
+                                          r"which gives 32; remove it or set it to that"):
         experiment(1, {"llm": module("gpt", {"hidden_size": 64}, {"dp": 1}, init={"hf": str(tmp_path)})},
                    global_batch=2, microbatches=1).model_config("llm")
-    with pytest.raises(ConfigError, match=r"vision\.init\.hf: vit modules import no Hugging Face checkpoints"):
+    restated = {"seq_len": 24, "hidden_size": 32, "qk_norm": True, "num_kv_heads": 1}  # a shipped shape, checked
+    assert experiment(1, {"llm": module("gpt", restated, {"dp": 1}, init={"hf": str(tmp_path)})},
+                      global_batch=2, microbatches=1).model_config("llm") == config
+    with pytest.raises(ConfigError, match=r"dna\.init\.hf: genezip modules import no Hugging Face checkpoints"):
+        experiment(1, {"dna": module("genezip", {}, {"dp": 1}, init={"hf": str(tmp_path)})},
+                   global_batch=2, microbatches=1).model_config("dna")
+    with pytest.raises(ConfigError, match=r"vision\.init\.hf config\.json: architectures=\['Qwen3ForCausalLM'\] is "
+                                          r"not one hetero imports as a vision tower"):
         experiment(1, {"vision": module("vit", {}, {"dp": 1}, init={"hf": str(tmp_path)})},
                    global_batch=2, microbatches=1).model_config("vision")
 

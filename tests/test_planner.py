@@ -124,7 +124,7 @@ def test_predict_configured_modes():
     experiment = load_experiment("mixed_vlm")
     with pytest.raises(ConfigError, match="overlapping"):
         predict_configured(experiment, build_graph(experiment).placement, cluster)
-    with pytest.raises(ConfigError, match="one gpt module fed by vit encoders; this experiment has video: video"):
+    with pytest.raises(ConfigError, match=r"one gpt module fed by vit encoders \(and their projectors\); this experiment has video: video"):
         workload_of(load_experiment("video"))
 
 

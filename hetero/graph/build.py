@@ -163,6 +163,11 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
                 f"{where}: {src.name} hands on width {sent.width} ({src.name}.model.{sent.field or output}) but "
                 f"{dst.name}.model.{taken.field or port_in}={taken.width}; {fix}"
             )
+        if not taken.placeholders and taken.tokens is not None and sent.tokens != taken.tokens:
+            errors.append(
+                f"{where}: {src.name} hands on {sent.tokens} tokens per row but {dst.name}'s input {port_in} takes "
+                f"{taken.tokens}; make {dst.name}.model match {src.name}'s {sent.tokens} tokens"
+            )
         for module, port, name in ((src, sent, f"output {output}"), (dst, taken, f"input {port_in}")):
             if _splits_sequence(module) and not port.sequence:
                 errors.append(

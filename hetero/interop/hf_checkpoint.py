@@ -10,7 +10,8 @@ Needs the ``hf`` extra (``safetensors``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,6 +55,13 @@ class HFCheckpoint:
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``, read from its file's header (no data)."""
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], framework="pt") as handle:
+            return tuple(handle.get_slice(name).get_shape())
+
     def dtype(self, name: str) -> torch.dtype:
         """The dtype tensor ``name`` is stored in."""
         from safetensors import safe_open
@@ -72,6 +80,32 @@ class HFCheckpoint:
             with safe_open(file, framework="pt") as handle:
                 for name in held:
                     yield name, handle.get_tensor(name)
+
+
+def renamed(name: str, layers: str, in_layer: dict[str, str], top: dict[str, str]) -> str | None:
+    """The HF name of hetero weight ``name`` by renaming its module: ``layers.<i>.<inner>`` becomes
+    ``<layers>.<i>.<in_layer[inner]>``, a module outside the layers ``top[module]``; None if neither maps it."""
+    module, _, leaf = name.rpartition(".")
+    parts = module.split(".", 2)
+    if parts[0] == "layers" and len(parts) == 3 and parts[2] in in_layer:
+        return f"{layers}.{parts[1]}.{in_layer[parts[2]]}.{leaf}"
+    if module in top:
+        return f"{top[module]}.{leaf}"
+    return None
+
+
+@dataclass
+class HFExport:
+    """How a kind writes a model as a Hugging Face checkpoint: the ``config.json``; the HF name of each of
+    the model's weights (``name_of``, None leaves one out, e.g. an output layer tied to the embedding); for
+    a model imported from ``source``, that checkpoint's name of each exported weight (its dtype is kept)
+    and the tensors copied from it unchanged (``carried``: export name -> source name), those the model
+    passes over but the HF model needs."""
+
+    config: dict
+    name_of: Callable[[str], str | None]
+    source_name: Callable[[str], str] = lambda name: name
+    carried: dict[str, str] = field(default_factory=dict)
 
 
 def load_into(model: torch.nn.Module, checkpoint: HFCheckpoint, hf_name) -> int:

@@ -9,7 +9,8 @@ file. Each file is written under a temporary name and renamed once complete, the
 directory with an index is a whole checkpoint. The ranks must share the file system.
 
 Names and config come from the module's kind (``Kind.hf_export``). A module imported with ``init.hf``
-keeps its source's ``config.json`` and each tensor's dtype there, so an import followed by an export
+keeps its source's config and each tensor's dtype there, and copies from it the tensors it passes over
+(a vision tower's pooling head, its blocks after the feature layer), so an import followed by an export
 gives the same files' tensors bit for bit.
 """
 
@@ -31,24 +32,25 @@ def export_hf(runtime, module: str, path: str | Path) -> Path:
     """Write ``module`` of ``runtime`` (a ``hetero.runtime.Runtime``) to directory ``path``."""
     path = Path(path)
     node = runtime.graph.nodes[module]
-    config, name_of = node.kind.hf_export(node.config)
     source = HFCheckpoint(node.settings.init.hf) if node.settings.init.hf is not None else None
-    if source is not None:
-        config = source.config
+    export = node.kind.hf_export(node.config, source)
     state = runtime.modules.get(module)
     if state is not None:
         coord, stages = state.mesh.coord, node.layout.pp
         whole = {}
         for name, tensor in state.model.state_dict().items():  # the same order on every rank of the stage
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            if (hf := name_of(name)) is not None:
-                whole[hf] = full.detach().to("cpu", source.dtype(hf) if source is not None else full.dtype)
+            if (hf := export.name_of(name)) is not None:
+                dtype = source.dtype(export.source_name(hf)) if source is not None else full.dtype
+                whole[hf] = full.detach().to("cpu", dtype)
         if coord.tp == coord.cp == coord.dp == 0:
+            if coord.pp == 0:
+                whole |= {name: source.tensor(carried) for name, carried in export.carried.items()}
             path.mkdir(parents=True, exist_ok=True)
             _write_atomically(path / _shard_name(coord.pp, stages), lambda f: _save(whole, f))
     dist.barrier()
     if dist.get_rank() == node.layout.ranks[0]:
-        _finish(path, [_shard_name(stage, node.layout.pp) for stage in range(node.layout.pp)], config)
+        _finish(path, [_shard_name(stage, node.layout.pp) for stage in range(node.layout.pp)], export.config)
     dist.barrier()
     return path
 
@@ -73,12 +75,12 @@ def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path) ->
     model = kind.build(config)
     state = {module: {"model": model.state_dict()}}
     dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)))
-    hf_config, name_of = kind.hf_export(config)
-    tensors = {hf: t.detach().cpu() for name, t in state[module]["model"].items() if (hf := name_of(name)) is not None}
+    export = kind.hf_export(config, None)
+    tensors = {hf: t.detach().cpu() for name, t in state[module]["model"].items() if (hf := export.name_of(name)) is not None}
     path.mkdir(parents=True, exist_ok=True)
     file = _shard_name(0, 1)
     _write_atomically(path / file, lambda f: _save(tensors, f))
-    _finish(path, [file], hf_config)
+    _finish(path, [file], export.config)
     return path
 
 

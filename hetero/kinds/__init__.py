@@ -1,7 +1,7 @@
 """Module kinds: each a folder with its config and layout checks (``config.py``), the pure model
 (``model.py``), its parallelize plan (``plan.py``) and what the runtime needs of it (``spec.py``).
 
-``default_registry()`` holds the built-in kinds (``gpt``, ``vit``, ``genezip``, ``video``) and every kind
+``default_registry()`` holds the built-in kinds (``gpt``, ``vit``, ``projector``, ``genezip``, ``video``) and every kind
 installed packages declare under the entry-point group ``hetero.kinds``; user code may register more.
 """
 
@@ -11,11 +11,12 @@ from importlib.metadata import entry_points
 
 from hetero.kinds.genezip.spec import GeneZipKind
 from hetero.kinds.gpt.spec import GPTKind
+from hetero.kinds.projector.spec import ProjectorKind
 from hetero.kinds.registry import ENTRY_POINT_GROUP, Kind, KindRegistry
 from hetero.kinds.video.spec import VideoKind
 from hetero.kinds.vit.spec import ViTKind
 
-BUILT_IN: tuple[Kind, ...] = (GPTKind(), ViTKind(), GeneZipKind(), VideoKind())
+BUILT_IN: tuple[Kind, ...] = (GPTKind(), ViTKind(), ProjectorKind(), GeneZipKind(), VideoKind())
 
 
 def default_registry() -> KindRegistry:

@@ -32,13 +32,17 @@ def gpt_forward_flops_per_token(config: GPTConfig, seq_len: int | None = None) -
 
 def vit_forward_flops_per_image(config: ViTConfig) -> float:
     """Forward FLOPs per image of the vision encoder: patch embedding, the blocks up to the feature
-    layer (patches + class token), and the projector into the LLM's width."""
+    layer (patches and any class token), and the projector into the LLM's width where it holds one."""
     h, s, p = config.hidden_size, config.seq_len, config.num_patches
     patch_dim = config.channels * config.patch_size**2
-    blocks = config.feature_layer % config.num_layers + 1
     per_block = s * (2 * 4 * h * h + 2 * 2 * h * config.ffn_size) + 2 * 2 * s * s * h
-    projector = 2 * p * (h * config.out_size + config.out_size * config.out_size)
-    return 2 * p * patch_dim * h + blocks * per_block + projector
+    projector = projector_forward_flops_per_image(h, config.out_size, p) if config.projector else 0
+    return 2 * p * patch_dim * h + config.used_layers * per_block + projector
+
+
+def projector_forward_flops_per_image(in_size: int, out_size: int, tokens: int) -> float:
+    """Forward FLOPs of an MLP projector (two matmuls) over one image's ``tokens``."""
+    return 2 * tokens * (in_size * out_size + out_size * out_size)
 
 
 def counted_forward_flops(model: torch.nn.Module, *inputs: torch.Tensor) -> float:

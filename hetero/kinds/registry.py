@@ -124,9 +124,22 @@ class Kind:
         ``model:`` ``fields`` (those a checkpoint leaves open, such as the training length)."""
         raise ConfigError(f"{module}.init.hf: {self.name} modules import no Hugging Face checkpoints; remove it")
 
-    def hf_export(self, config: Any) -> tuple[dict, Any]:
-        """A Hugging Face ``config.json`` for ``config``, and the HF name of each of the model's weights
-        (a callable; None leaves a weight out, e.g. an output layer tied to the embedding)."""
+    @staticmethod
+    def check_given(module: str, config: Any, given: dict[str, Any], open_fields: set[str]) -> None:
+        """Refuse a YAML ``model:`` field that disagrees with the config read from ``init.hf`` (fields in
+        ``open_fields`` are the YAML's to set; the others may only restate the checkpoint's values)."""
+        for name, value in given.items():
+            if name in open_fields:
+                continue
+            if not hasattr(config, name):
+                raise ConfigError(f"{module}.model.{name} is not a field of {type(config).__name__}")
+            if getattr(config, name) != value:
+                raise ConfigError(f"{module}.model.{name}={value!r} disagrees with {module}.init.hf's config.json, "
+                                  f"which gives {getattr(config, name)!r}; remove it or set it to that")
+
+    def hf_export(self, config: Any, source: Any) -> Any:
+        """How to write a model of ``config`` as a Hugging Face checkpoint (a ``hetero.interop.hf_checkpoint.HFExport``);
+        ``source``: the ``HFCheckpoint`` it was imported from, or None."""
         raise ConfigError(f"{self.name} modules export no Hugging Face checkpoints")
 
     def load_pretrained(self, model: nn.Module, path: str) -> int:

@@ -17,7 +17,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hetero.kinds.flops import TRAINING_MULTIPLIER, gpt_forward_flops_per_token, vit_forward_flops_per_image
+from hetero.kinds.flops import (
+    TRAINING_MULTIPLIER,
+    gpt_forward_flops_per_token,
+    projector_forward_flops_per_image,
+    vit_forward_flops_per_image,
+)
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.vit.config import ViTConfig
 from hetero.plan.cluster import ClusterSpec, LinkSpec
@@ -39,8 +44,10 @@ class Transformer:
     seq: int  # tokens per sample (an image's patches + class token, or the LLM's context)
     vocab: int = 0
     head_in: int = 0  # vit: patch dim; the first stage's input GEMM
-    out_width: int = 0  # vit: projector width (= what crosses the boundary per output token)
-    out_tokens: int = 0  # vit: tokens handed to the LLM per image
+    out_width: int = 0  # vit: what crosses the boundary per output token (the projector's width, if any)
+    out_tokens: int = 0  # vit: tokens handed on per image
+    projector: bool = True  # vit: an MLP projector (in to out_width) after the layers
+    positions: bool = True  # vit: learned position embeddings (a projector of its own has none)
     model_flops_per_sample: float = 0.0  # training FLOPs (MFU convention), from hetero.kinds.flops
 
     @property
@@ -59,7 +66,8 @@ class Transformer:
         """Parameters outside the layers: embeddings and head (gpt), patch embedding and projector (vit)."""
         if self.kind == "gpt":
             return 2 * self.vocab * self.hidden
-        return self.head_in * self.hidden + self.hidden * self.out_width + self.out_width**2 + self.seq * self.hidden
+        projector = self.hidden * self.out_width + self.out_width**2 if self.projector else 0
+        return self.head_in * self.hidden + projector + (self.seq * self.hidden if self.positions else 0)
 
     @property
     def params(self) -> int:
@@ -77,12 +85,20 @@ def describe(name: str, kind: str, config: GPTConfig | ViTConfig, seq_len: int |
         )
     if kind == "vit":
         return Transformer(
-            name, "vit", config.feature_layer % config.num_layers + 1, config.hidden_size, config.num_heads,
+            name, "vit", config.used_layers, config.hidden_size, config.num_heads,
             config.num_heads, config.ffn_size, config.seq_len,
             head_in=config.channels * config.patch_size**2, out_width=config.out_size, out_tokens=config.num_patches,
+            projector=config.projector,
             model_flops_per_sample=TRAINING_MULTIPLIER * vit_forward_flops_per_image(config),
         )
-    raise ValueError(f"{name}: the planner models gpt and vit modules, not {kind!r}")
+    if kind == "projector":  # no layers: the MLP only (one head: the search keeps it at tp=1)
+        return Transformer(
+            name, "vit", 0, config.in_size, 1, 1, config.out_size, config.tokens, out_width=config.out_size,
+            out_tokens=config.tokens, positions=False,
+            model_flops_per_sample=TRAINING_MULTIPLIER * projector_forward_flops_per_image(
+                config.in_size, config.out_size, config.tokens),
+        )
+    raise ValueError(f"{name}: the planner models gpt, vit and projector modules, not {kind!r}")
 
 
 @dataclass(frozen=True)
@@ -202,6 +218,8 @@ class CostModel:
             last = self.gemm_s(tokens, module.hidden, vocab) + self.elementwise_s(4, 4 * tokens * vocab * 4)
             return first, last
         first = self.gemm_s(tokens, module.head_in, module.hidden) + self.elementwise_s(2, 2 * tokens * module.hidden * act)
+        if not module.projector:
+            return first, 0.0
         last = (self.gemm_s(tokens, module.hidden, module.out_width) + self.gemm_s(tokens, module.out_width, module.out_width)
                 + self.elementwise_s(2, 2 * tokens * module.out_width * act))
         return first, last

@@ -349,25 +349,26 @@ def workload_of(
         raise ConfigError(f"extra_context={extra_context!r} is not one of {', '.join(EXTRA_CONTEXT)}")
     kinds = {name: module.kind for name, module in experiment.modules.items()}
     llms = [n for n, k in kinds.items() if k == "gpt"]
-    unsupported = {n: k for n, k in kinds.items() if k not in ("gpt", "vit")}
+    unsupported = {n: k for n, k in kinds.items() if k not in ("gpt", "vit", "projector")}
     if len(llms) != 1 or unsupported:
         raise ConfigError(
-            "hetero plan models one gpt module fed by vit encoders; this experiment has "
+            "hetero plan models one gpt module fed by vit encoders (and their projectors); this experiment has "
             + ", ".join(f"{n}: {k}" for n, k in kinds.items())
         )
     llm_config = experiment.model_config(llms[0])
     context = context or llm_config.seq_len
     tokens = tokens_per_step or experiment.batch.global_batch_size * llm_config.seq_len
     sequences = max(1, tokens // context)
+    feeders = sum(e.dst == llms[0] for e in experiment.edges)  # image sources sharing the extra context
     encoders, per_sequence = {}, {}
     for name, kind in kinds.items():
-        if kind == "vit":
-            config = experiment.model_config(name)
-            encoders[name] = describe(name, kind, config)
+        if kind in ("vit", "projector"):  # a tower and its projector see the same images
+            encoders[name] = describe(name, kind, experiment.model_config(name))
             if extra_context == "mixed":
                 per_sequence[name] = context / llm_config.seq_len
             else:
-                per_sequence[name] = 1 + (context - llm_config.seq_len) / (len(encoders) * config.num_patches)
+                extra = (context - llm_config.seq_len) / (feeders * encoders[name].out_tokens)
+                per_sequence[name] = 1 + extra
     ratios = {n: gradient_wire_ratio(m.compression) for n, m in experiment.modules.items()}
     act = activation_bytes
     boundaries = {e.src: b for e in experiment.edges if e.dst == llms[0] and (b := edge_wire_bytes(e.compression, act))}

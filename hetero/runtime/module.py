@@ -29,6 +29,20 @@ def build_adamw(model: nn.Module, config: OptimizerConfig, fused: bool = False) 
     )
 
 
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` (on the meta device) allocated, uninitialized, on ``device``, with the parameters that
+    several of its modules share (tied embeddings) still shared: ``to_empty`` gives each its own copy."""
+    shared: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    model.to_empty(device=device)
+    for first, *others in shared.values():
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
+    return model
+
+
 class ModuleState:
     """Module ``node`` on this rank, built from seed + its declaration index on every rank of it."""
 
@@ -47,7 +61,7 @@ class ModuleState:
         else:  # only this rank's part is ever allocated, then read from the checkpoint
             with torch.device("meta"):
                 built = node.kind.build(node.config)
-            self.model = node.kind.parallelize(built, mesh, node.options).to_empty(device=device)
+            self.model = materialize(node.kind.parallelize(built, mesh, node.options), device)
             self.pretrained_bytes = node.kind.load_pretrained(self.model, pretrained)
         self.optimizer = build_adamw(self.model, node.settings.optim, fused=device.type == "cuda")
         self.replica_sync = self._replica_sync()

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hetero.errors import ConfigError
-from hetero.interop.hf_checkpoint import HFCheckpoint, load_into
+from hetero.interop.hf_checkpoint import HFCheckpoint, load_into, renamed
 from hetero.kinds.gpt.config import GPTConfig, RopeScaling
 from hetero.kinds.gpt.model import GPT
 
@@ -178,12 +178,8 @@ _OUT_TOP = {ours: theirs for theirs, ours in _TOP.items()}
 
 def hf_name(name: str) -> str:
     """HF's name of hetero GPT weight ``name`` (the inverse of ``gpt_name``)."""
-    module, _, leaf = name.rpartition(".")
-    parts = module.split(".", 2)
-    if parts[0] == "layers" and len(parts) == 3 and parts[2] in _OUT_LAYER:
-        return f"model.layers.{parts[1]}.{_OUT_LAYER[parts[2]]}.{leaf}"
-    if module in _OUT_TOP:
-        return f"{_OUT_TOP[module]}.{leaf}"
+    if (hf := renamed(name, "model.layers", _OUT_LAYER, _OUT_TOP)) is not None:
+        return hf
     raise ConfigError(f"GPT weight {name!r} has no place in a Hugging Face checkpoint")
 
 

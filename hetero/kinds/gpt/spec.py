@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hetero.data.digits import IGNORE_INDEX
-from hetero.errors import ConfigError
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.kinds.gpt.plan import parallelize_gpt
@@ -48,19 +47,17 @@ class GPTKind(Kind):
         from hetero.interop.hf_checkpoint import HFCheckpoint
         from hetero.kinds.gpt.hf import check_weights, gpt_config
 
-        given = sorted(set(fields) - {"seq_len"})
-        if given:
-            raise ConfigError(f"{module}.model.{given[0]} comes from {module}.init.hf's config.json; remove it "
-                              f"(with init.hf, {module}.model sets seq_len only)")
         checkpoint = HFCheckpoint(path)
         config = gpt_config(checkpoint.config, fields.get("seq_len"), module)
+        self.check_given(module, config, fields, {"seq_len"})
         check_weights(checkpoint, config, module)
         return config
 
-    def hf_export(self, config):
+    def hf_export(self, config, source):
+        from hetero.interop.hf_checkpoint import HFExport
         from hetero.kinds.gpt.hf import hf_config, weight_names
 
-        return hf_config(config), weight_names(config)
+        return HFExport(source.config if source is not None else hf_config(config), weight_names(config))
 
     def load_pretrained(self, model, path):
         from hetero.kinds.gpt.hf import load_gpt

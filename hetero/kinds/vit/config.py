@@ -1,4 +1,5 @@
-"""ViTConfig: the sizes of the model and what its layout must divide."""
+"""ViTConfig: the sizes of the model, the variant it is (hetero's own, or a SigLIP or CLIP tower), and
+what its layout must divide."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 from hetero.kinds.layout_checks import patch_model_errors, shape_errors, transformer_layout_errors
 from hetero.parallel.layout import Layout
 from hetero.parallel.options import ParallelOptions
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
 
 
 @dataclass
@@ -20,6 +23,18 @@ class ViTConfig:
     ffn_hidden_size: int | None = None
     feature_layer: int = -1
     out_size: int = 64
+    # The variant. The defaults are hetero's own encoder; a SigLIP tower has no class token, CLIP's a
+    # LayerNorm before the blocks and no patch bias; both have a key bias and their own activation.
+    class_token: bool = True
+    patch_bias: bool = True
+    key_bias: bool = False  # softmax cancels it exactly; kept where a checkpoint has one
+    pre_norm: bool = False
+    activation: str = "gelu"
+    norm_eps: float = 1e-5
+    feature_norm: bool = True  # a LayerNorm of the features (SigLIP's post_layernorm)
+    # An MLP projector into the LLM's width (out_size) inside the encoder; without it the encoder hands
+    # on its features (out_size = hidden_size), e.g. to a module of kind projector.
+    projector: bool = True
 
     @property
     def ffn_size(self) -> int:
@@ -31,8 +46,13 @@ class ViTConfig:
 
     @property
     def seq_len(self) -> int:
-        """Encoder sequence: the patches plus the class token."""
-        return self.num_patches + 1
+        """Encoder sequence: the patches, and the class token where there is one."""
+        return self.num_patches + int(self.class_token)
+
+    @property
+    def used_layers(self) -> int:
+        """The blocks up to the feature layer: those after it never run, and are not built."""
+        return self.feature_layer % self.num_layers + 1
 
     def errors(self, module: str, layout: Layout, options: ParallelOptions | None = None) -> list[str]:
         """Everything about this model that ``layout`` (and ``options``) cannot run; empty when fine."""
@@ -56,6 +76,13 @@ class ViTConfig:
             errors.append(
                 f"{module}.model.feature_layer={self.feature_layer} is not a layer of a "
                 f"{self.num_layers}-layer encoder; use -{self.num_layers}..{self.num_layers - 1}"
+            )
+        if self.activation not in ACTIVATIONS:
+            errors.append(f"{module}.model.activation={self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        if not self.projector and self.out_size != self.hidden_size:
+            errors.append(
+                f"{module}.model.out_size={self.out_size} is the projector's width, but projector=false hands on "
+                f"the features (hidden_size={self.hidden_size}); set {module}.model.out_size={self.hidden_size}"
             )
         return errors + transformer_layout_errors(
             module,

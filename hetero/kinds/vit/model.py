@@ -1,15 +1,41 @@
-"""Vision encoder: a ViT and an MLP projector into the LLM's width."""
+"""Vision encoder: a ViT (hetero's own, or a SigLIP or CLIP tower) and, optionally, an MLP projector into
+the LLM's width."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hetero.kernels.attention import merge_heads, split_heads
+from hetero.kinds.projector.model import MLPProjector
 from hetero.kinds.vit.config import ViTConfig
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATION = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "quick_gelu": quick_gelu}
+
+
+class PatchEmbedding(nn.Module):
+    """A linear map of each flattened patch. The weight keeps a convolution's (out, channels, p, p) shape,
+    as vision checkpoints store it, and draws its initial values as ``nn.Linear`` does."""
+
+    def __init__(self, channels: int, patch_size: int, out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out, channels, patch_size, patch_size))
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(channels * patch_size**2)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return F.linear(patches, self.weight.flatten(1), self.bias)
 
 
 class EncoderAttention(nn.Module):
@@ -19,8 +45,7 @@ class EncoderAttention(nn.Module):
         super().__init__()
         self.head_dim = config.hidden_size // config.num_heads
         self.wq = nn.Linear(config.hidden_size, config.hidden_size)
-        # No key bias: it adds the same score to every key of a query, which softmax cancels exactly.
-        self.wk = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.wk = nn.Linear(config.hidden_size, config.hidden_size, bias=config.key_bias)
         self.wv = nn.Linear(config.hidden_size, config.hidden_size)
         self.wo = nn.Linear(config.hidden_size, config.hidden_size)
 
@@ -35,17 +60,18 @@ class EncoderMLP(nn.Module):
         super().__init__()
         self.w1 = nn.Linear(config.hidden_size, config.ffn_size)
         self.w2 = nn.Linear(config.ffn_size, config.hidden_size)
+        self.activation = ACTIVATION[config.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.gelu(self.w1(x)))
+        return self.w2(self.activation(self.w1(x)))
 
 
 class EncoderBlock(nn.Module):
     def __init__(self, config: ViTConfig):
         super().__init__()
-        self.attention_norm = nn.LayerNorm(config.hidden_size)
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.attention = EncoderAttention(config)
-        self.mlp_norm = nn.LayerNorm(config.hidden_size)
+        self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = EncoderMLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,36 +80,36 @@ class EncoderBlock(nn.Module):
 
 
 class VisionEncoder(nn.Module):
-    """ViT (patch embedding, class token, learned positions, pre-norm blocks) and an MLP projector.
+    """ViT: patch embedding, a class token (where the variant has one), learned positions, pre-norm blocks.
 
     ``forward(images)`` returns (batch, num_patches, out_size): the features of block ``feature_layer``
-    with the class token dropped, normalized, and projected (Linear-GELU-Linear) into the LLM's width.
+    with the class token dropped, normalized (``feature_norm``), and projected (Linear-GELU-Linear) into
+    the LLM's width where the encoder holds its ``projector``.
     """
 
     def __init__(self, config: ViTConfig):
         super().__init__()
         self.config = config
-        patch_dim = config.channels * config.patch_size**2
-        self.patch_embed = nn.Linear(patch_dim, config.hidden_size)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
-        self.pos_embed = nn.Parameter(torch.zeros(1, config.seq_len, config.hidden_size))
-        used = config.feature_layer % config.num_layers + 1  # blocks after the feature layer never run
-        self.layers = nn.ModuleDict({str(i): EncoderBlock(config) for i in range(used)})
+        self.patch_embed = PatchEmbedding(config.channels, config.patch_size, config.hidden_size, config.patch_bias)
+        self.cls_token = nn.Parameter(torch.zeros(config.hidden_size)) if config.class_token else None
+        self.pos_embed = nn.Parameter(torch.zeros(config.seq_len, config.hidden_size))
+        self.pre_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if config.pre_norm else None
+        self.layers = nn.ModuleDict({str(i): EncoderBlock(config) for i in range(config.used_layers)})
         # Pre-norm blocks leave the residual stream at the scale of the small initial weights; the
         # norm hands the projector unit-scale features, so image embeddings reach the LLM at the
         # scale of its token embeddings instead of vanishing under its RMSNorm epsilon.
-        self.feature_norm = nn.LayerNorm(config.hidden_size)
-        self.proj_in = nn.Linear(config.hidden_size, config.out_size)
-        self.proj_out = nn.Linear(config.out_size, config.out_size)
+        self.feature_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if config.feature_norm else None
+        self.projector = MLPProjector(config.hidden_size, config.out_size) if config.projector else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, (nn.Linear, PatchEmbedding)):
                 nn.init.normal_(module.weight, std=0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-        nn.init.normal_(self.cls_token, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=0.02)
         nn.init.normal_(self.pos_embed, std=0.02)
 
     def patches(self, images: torch.Tensor) -> torch.Tensor:
@@ -95,7 +121,14 @@ class VisionEncoder(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(self.patches(images))
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], 1, -1), x], dim=1)
+        x = x + self.pos_embed
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
         for block in self.layers.values():
             x = block(x)
-        return self.proj_out(F.gelu(self.proj_in(self.feature_norm(x[:, 1:]))))
+        x = x[:, int(self.config.class_token):]
+        if self.feature_norm is not None:
+            x = self.feature_norm(x)
+        return self.projector(x) if self.projector is not None else x

@@ -19,6 +19,7 @@ def parallelize_vision(model: VisionEncoder, mesh: ModuleMesh, options: Parallel
         tp_mesh = mesh.mesh["tp"]
         for block in model.layers.values():
             parallelize_module(block, tp_mesh, attention_mlp_plan("mlp."))
-        parallelize_module(model, tp_mesh, {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})
+        if model.projector is not None:
+            parallelize_module(model.projector, tp_mesh, {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})
     wrap_blocks(model, model.layers, mesh, options)
     return model

@@ -1,0 +1,42 @@
+"""The ``projector`` kind: a LLaVA-style MLP (Linear-GELU-Linear) of a vision tower's features into the
+LLM's width, a module with a layout of its own between the tower and the LLM.
+
+Reads no batch columns; input ``features`` (``tokens`` × ``in_size``): one edge from the tower, on the
+rows that carry an image; output ``embeddings`` (``tokens`` × ``out_size``), e.g. into the LLM's
+placeholders. It has no loss of its own: it learns from the gradients its consumers return, and returns
+the features' gradients to the tower.
+"""
+
+from __future__ import annotations
+
+from hetero.kinds.projector.config import ProjectorConfig
+from hetero.kinds.projector.model import MLPProjector
+from hetero.kinds.projector.plan import parallelize_projector
+from hetero.kinds.registry import Kind, Port, StageResult, StageStep
+
+
+class ProjectorKind(Kind):
+    name = "projector"
+    config = ProjectorConfig
+    modality = "image"
+
+    def build(self, config: ProjectorConfig) -> MLPProjector:
+        model = MLPProjector(config.in_size, config.out_size)
+        model.reset_parameters()
+        return model
+
+    def parallelize(self, model, mesh, options):
+        return parallelize_projector(model, mesh, options)
+
+    def inputs(self, config: ProjectorConfig) -> dict[str, Port]:
+        return {"features": Port(config.in_size, tokens=config.tokens, field="in_size")}
+
+    def outputs(self, config: ProjectorConfig) -> dict[str, Port]:
+        return {"embeddings": Port(config.out_size, tokens=config.tokens, field="out_size")}
+
+    def has_loss(self, config: ProjectorConfig) -> bool:
+        return False
+
+    def stage(self, model: MLPProjector, step: StageStep) -> StageResult:
+        (arrival,) = step.inputs
+        return StageResult(outputs={"embeddings": model(arrival.tensor)})

@@ -227,6 +227,15 @@ CASES = {
         setter("llm.kind", "os.system"),
         r"llm\.kind='os\.system' is not a known module kind; use one of gpt, vit",
     ),
+    "a vision encoder under context parallelism": (
+        setter("vision.layout", {"cp": 2, "dp": 2}),
+        r"vision: the vision encoder runs with cp=1 \(got cp=2\); its sequence is short: spread it with dp, tp or pp",
+    ),
+    "a vision pipeline longer than the blocks up to the feature layer": (
+        both(setter("vision.layout", {"pp": 2, "dp": 2}), setter("vision.model.feature_layer", 0)),
+        r"vision\.layout\.pp=2 is larger than the 1 blocks up to vision\.model\.feature_layer=0; every pipeline "
+        r"stage needs one: use pp <= 1",
+    ),
     "a vision activation hetero does not model": (
         setter("vision.model.activation", "relu"),
         r"vision\.model\.activation='relu' is not one of gelu, gelu_tanh, quick_gelu",

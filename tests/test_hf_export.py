@@ -96,7 +96,7 @@ def checkpointed(rank, world_size, model, out, checkpoints):
     export_hf(runtime, "llm", out)
 
 
-def test_hetero_convert_writes_what_the_job_exports(tmp_path):
+def test_hetero_convert_writes_what_the_job_exports(tmp_path, capsys):
     """A tp2 job's checkpoint converted offline (``hetero convert``, one process) holds the tensors the
     job itself exports, bit for bit, and the same config."""
     from hetero.cli import main
@@ -110,3 +110,6 @@ def test_hetero_convert_writes_what_the_job_exports(tmp_path):
     assert sorted(converted.names()) == sorted(live.names())
     for name in live.names():
         assert torch.equal(live.tensor(name), converted.tensor(name)), name
+    assert main(["convert", str(tmp_path / "live"), str(tmp_path / "back")]) == 2
+    assert "is a Hugging Face checkpoint, which needs no conversion: hetero reads it directly under any layout " \
+           f"with llm.init.hf={tmp_path / 'live'}" in capsys.readouterr().err

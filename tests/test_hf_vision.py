@@ -2,9 +2,9 @@
 and CLIP models built offline with ``transformers`` (vision models, and the vision half of full
 SiglipModel / CLIPModel checkpoints), every weight perturbed (norms off 1, biases off 0), saved with
 ``save_pretrained``, imported, and run on the same images: per-patch features equal to transformers'
-within 1e-5 in fp32, whole and under tp2, dp2 + FSDP and tp2·dp2 (each rank reading only what it
-holds). An untrained import exports bit for bit. Configs and checkpoints hetero does not model are
-refused by name. (The tower has no cp or pp: its sequence is short; the config check refuses them.)"""
+within 1e-5 in fp32, whole and under tp2, dp2 + FSDP, tp2·dp2 (each rank reading only what it
+holds), tp2·pp2. An untrained import exports bit for bit. Configs and checkpoints hetero does not model
+are refused by name. (The tower takes no cp: its sequence is short; the config check refuses it.)"""
 
 import json
 
@@ -78,7 +78,10 @@ def test_an_imported_tower_gives_transformers_features(tmp_path, case):
 
 def loaded_under(rank, world_size, path, layout, fsdp, feature_layer, out):
     """The tower imported as the runtime imports ``init.hf`` (built on meta, parallelized, allocated, read),
-    run on this rank's rows; an untrained export written from this layout."""
+    run on this rank's rows (the features on the last stage, None elsewhere); an untrained export written
+    from this layout."""
+    import torch.distributed as dist
+
     from hetero.interop.hf_export import export_hf
     from hetero.runtime import build_runtime
     from hetero.testing.experiments import experiment, module
@@ -91,23 +94,33 @@ def loaded_under(rank, world_size, path, layout, fsdp, feature_layer, out):
                         microbatches=1)
     runtime = build_runtime(config)
     state = runtime.modules["vision"]
-    rows = torch.arange(4).tensor_split(state.mesh.layout.dp)[state.mesh.coord.dp]
-    with torch.no_grad():
-        features = state.model(images(4)[rows].to(state.device))
+    mesh = state.mesh
+    rows = torch.arange(4).tensor_split(mesh.layout.dp)[mesh.coord.dp]
+    with torch.no_grad():  # each stage in turn, hidden states handed to the next stage's rank of this TP coordinate
+        x = images(4)[rows].to(state.device)
+        if not mesh.is_first_stage:
+            x = torch.empty(len(rows), state.node.config.seq_len, 32)
+            dist.recv(x, mesh.layout.rank_at(mesh.coord._replace(pp=mesh.coord.pp - 1)))
+        features = state.model(x)
+        if not mesh.is_last_stage:
+            dist.send(features.contiguous(), mesh.layout.rank_at(mesh.coord._replace(pp=mesh.coord.pp + 1)))
+            features = None
     export_hf(runtime, "vision", out)
-    return rows, features, state.pretrained_bytes
+    return rows, features, state.pretrained_bytes, mesh.coord.pp
 
 
 @pytest.mark.parametrize("case,layout,fsdp,share", [
     ("siglip vision, last layer (post_layernorm)", {"tp": 2, "dp": 1}, False, (0.5, 0.6)),
     ("clip vision, layer -2 (LLaVA-style)", {"dp": 2}, True, (0.45, 0.55)),
     ("siglip with its text tower", {"tp": 2, "dp": 2}, False, (0.5, 0.6)),
-], ids=["siglip tp2", "clip dp2+fsdp", "siglip+text tp2·dp2"])
+    ("clip vision, last layer", {"tp": 2, "pp": 2, "dp": 1}, False, [(0.35, 0.45), (0.1, 0.2)]),
+], ids=["siglip tp2", "clip dp2+fsdp", "siglip+text tp2·dp2", "clip tp2·pp2"])
 def test_an_imported_tower_under_a_layout_gives_transformers_features_and_exports_bit_for_bit(
         tmp_path, case, layout, fsdp, share):
     """Every rank's features equal transformers' on its rows. ``share``: the bounds of a rank's part of
     the bytes of the tower's weights it uses (TP splits all but the norms, biases of the output
-    projections and the embeddings; FSDP shards every weight over dp). The export holds the source's
+    projections and the embeddings; FSDP shards every weight over dp; per stage under PP: the first of
+    pp2 holds two of the three blocks and the embeddings). The export holds the source's
     vision tensors bit for bit (those passed over copied back) and its tower's config."""
     from hetero.testing.multiprocess import run_ranks
 
@@ -115,7 +128,7 @@ def test_an_imported_tower_under_a_layout_gives_transformers_features_and_export
     reference = saved(source, case)
     feature_layer = CASES[case][3]
     expected = expected_features(reference, case, images(4))
-    world = layout.get("tp", 1) * layout["dp"]
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout["dp"]
     results = run_ranks(loaded_under, world, source, layout, fsdp, feature_layer, tmp_path / "out", timeout_s=240)
     checkpoint = HFCheckpoint(source)
     config = vit_config(checkpoint.config, {"feature_layer": feature_layer})
@@ -123,9 +136,12 @@ def test_an_imported_tower_under_a_layout_gives_transformers_features_and_export
     used = [n for n in checkpoint.names() if n.startswith(prefix) and not _passed_over(n[len(prefix):], config)]
     total = sum(t.numel() * t.element_size() for _, t in checkpoint.tensors(used))
     errors = []
-    for rows, features, read in results:
-        errors.append(((features - expected[rows]).abs().max() / expected.abs().max()).item())
-        assert share[0] <= read / total <= share[1], read / total
+    for rows, features, read, stage in results:
+        if features is not None:
+            errors.append(((features - expected[rows]).abs().max() / expected.abs().max()).item())
+        low, high = share[stage] if isinstance(share, list) else share
+        assert low <= read / total <= high, (stage, read / total)
+    assert len(errors) == world // layout.get("pp", 1)  # every last-stage rank
     print(f"\n{case} {layout} fsdp={fsdp}: features rel. errors " + ", ".join(f"{e:.1e}" for e in errors)
           + "; bytes read per rank / the tower's " + ", ".join(f"{r[2] / total:.2f}" for r in results))
     assert all(error < 1e-5 for error in errors), errors

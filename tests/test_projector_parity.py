@@ -1,7 +1,8 @@
 """A vision tower without its projector, a projector module with a layout of its own, and an LLM: the
 LLaVA-style chain (``vision -> projector -> llm``) trains with parity against one process, images in
-only some rows, on two placements: colocated (tower dp2, projector tp2, LLM tp2 on the same two ranks)
-and each on its own ranks (tower 0, projector 1, LLM pp2 on 2-3: one pipeline through the chain). Per
+only some rows, on three placements: colocated (tower dp2, projector tp2, LLM tp2 on the same two ranks;
+and the tower pipelined, tp2·pp2, beside projector and LLM at tp2·dp2 on four) and each on its own ranks
+(tower 0, projector 1, LLM pp2 on 2-3: one pipeline through the chain). Per
 step the loss and the gradient norm; every replica's gradients at the first step."""
 
 import pytest
@@ -78,6 +79,8 @@ def train(rank, world_size, layouts, microbatches):
 CASES = {
     "colocated on 2 ranks: vision dp2, projector tp2, llm tp2": (
         {"vision": {"dp": 2}, "projector": {"tp": 2}, "llm": {"tp": 2}}, 2, 2, "phased"),
+    "colocated on 4 ranks: vision tp2·pp2, projector tp2·dp2, llm tp2·dp2": (
+        {"vision": {"tp": 2, "pp": 2}, "projector": {"tp": 2, "dp": 2}, "llm": {"tp": 2, "dp": 2}}, 4, 2, "phased"),
     "each on its own ranks: vision (0), projector (1), llm pp2 (2-3)": (
         {"vision": {"dp": 1}, "projector": {"dp": 1, "offset": 1}, "llm": {"pp": 2, "dp": 1, "offset": 2}}, 4, 4,
         "graph_1f1b"),

@@ -67,6 +67,9 @@ def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path) ->
     from hetero.train.checkpoint_files import SafeFileSystemReader, read_manifest
 
     checkpoint, path = Path(checkpoint), Path(path)
+    if (checkpoint / "config.json").is_file():
+        raise ConfigError(f"{checkpoint} is a Hugging Face checkpoint, which needs no conversion: hetero reads it "
+                          f"directly under any layout with {module}.init.hf={checkpoint}")
     models = read_manifest(checkpoint)["identity"]["models"]
     if module not in models:
         raise ConfigError(f"{checkpoint} holds modules {', '.join(models)}, not {module!r}")

@@ -71,10 +71,11 @@ def shape_errors(module: str, **positive: int) -> list[str]:
 
 def patch_model_errors(
     module: str, layout: Layout, what: str, *, size_field: str, size: int, patch_size: int, hidden_size: int,
-    num_heads: int,
+    num_heads: int, pipeline: bool = False,
 ) -> list[str]:
     """What a transformer over image patches (``what``, e.g. "the vision encoder") needs of its sizes
-    and layout: patches that tile the image, heads that split the width, and no cp or pp."""
+    and layout: patches that tile the image, heads that split the width, and no cp (nor pp, unless
+    ``pipeline``)."""
     errors = []
     if size % patch_size:
         errors.append(
@@ -85,7 +86,12 @@ def patch_model_errors(
             f"{module}.model.num_heads={num_heads} does not divide {module}.model.hidden_size={hidden_size}; "
             f"pick a head count that divides it"
         )
-    if layout.cp > 1 or layout.pp > 1:
+    if pipeline and layout.cp > 1:
+        errors.append(
+            f"{module}: {what} runs with cp=1 (got cp={layout.cp}); its sequence is short: spread it with dp, tp "
+            f"or pp instead"
+        )
+    elif not pipeline and (layout.cp > 1 or layout.pp > 1):
         errors.append(
             f"{module}: {what} runs with cp=1 and pp=1 (got cp={layout.cp}, pp={layout.pp}); its sequence "
             f"is short: spread it with dp or tp instead"

@@ -1,5 +1,5 @@
-"""What every model's plan applies to its blocks: the TP plan of an attention + MLP block, then activation
-checkpointing and FSDP2."""
+"""What every model's plan applies to its blocks: a pipeline stage's share of them, the TP plan of an
+attention + MLP block, then activation checkpointing and FSDP2."""
 
 from __future__ import annotations
 
@@ -10,6 +10,21 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from hetero.parallel.fsdp import apply_fsdp
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
+
+
+def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
+    """Contiguous layers of a pipeline stage; earlier stages take one extra when it does not divide."""
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def keep_stage_layers(blocks: nn.ModuleDict, stage: int, num_stages: int) -> None:
+    """Drop the blocks pipeline stage ``stage`` does not own; their names stay global."""
+    keep = stage_layers(len(blocks), stage, num_stages)
+    for name in list(blocks):
+        if int(name) not in keep:
+            del blocks[name]
 
 
 def attention_mlp_plan(mlp: str) -> dict:

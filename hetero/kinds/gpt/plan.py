@@ -16,25 +16,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hetero.kinds.gpt.model import GPT
-from hetero.parallel.blocks import wrap_blocks
+from hetero.parallel.blocks import keep_stage_layers, wrap_blocks
 from hetero.parallel.context import ContextParallelAttention
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 
 
-def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
-    """Contiguous layers of a pipeline stage; earlier stages take one extra when it does not divide."""
-    base, extra = divmod(num_layers, num_stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
-
-
 def keep_stage(model: GPT, stage: int, num_stages: int) -> None:
     """Drop everything a pipeline stage does not own; layer names stay global."""
-    keep = stage_layers(len(model.layers), stage, num_stages)
-    for name in list(model.layers):
-        if int(name) not in keep:
-            del model.layers[name]
+    keep_stage_layers(model.layers, stage, num_stages)
     if stage > 0:
         model.tok_embeddings = None
     if stage < num_stages - 1:

@@ -70,12 +70,18 @@ class ViTConfig:
             return errors
         errors += patch_model_errors(
             module, layout, "the vision encoder", size_field="image_size", size=self.image_size,
-            patch_size=self.patch_size, hidden_size=self.hidden_size, num_heads=self.num_heads,
+            patch_size=self.patch_size, hidden_size=self.hidden_size, num_heads=self.num_heads, pipeline=True,
         )
         if not -self.num_layers <= self.feature_layer < self.num_layers:
             errors.append(
                 f"{module}.model.feature_layer={self.feature_layer} is not a layer of a "
                 f"{self.num_layers}-layer encoder; use -{self.num_layers}..{self.num_layers - 1}"
+            )
+        elif layout.pp > self.used_layers and layout.pp <= self.num_layers:
+            errors.append(
+                f"{module}.layout.pp={layout.pp} is larger than the {self.used_layers} blocks up to "
+                f"{module}.model.feature_layer={self.feature_layer}; every pipeline stage needs one: use pp <= "
+                f"{self.used_layers}"
             )
         if self.activation not in ACTIVATIONS:
             errors.append(f"{module}.model.activation={self.activation!r} is not one of {', '.join(ACTIVATIONS)}")

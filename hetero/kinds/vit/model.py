@@ -84,7 +84,9 @@ class VisionEncoder(nn.Module):
 
     ``forward(images)`` returns (batch, num_patches, out_size): the features of block ``feature_layer``
     with the class token dropped, normalized (``feature_norm``), and projected (Linear-GELU-Linear) into
-    the LLM's width where the encoder holds its ``projector``.
+    the LLM's width where the encoder holds its ``projector``. A pipeline stage (``keep_stage``) holds
+    some of the blocks: the first embeds the images, later ones take the previous stage's hidden states
+    (batch, seq_len, hidden_size), and all but the last hand theirs on.
     """
 
     def __init__(self, config: ViTConfig):
@@ -100,6 +102,7 @@ class VisionEncoder(nn.Module):
         # scale of its token embeddings instead of vanishing under its RMSNorm epsilon.
         self.feature_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if config.feature_norm else None
         self.projector = MLPProjector(config.hidden_size, config.out_size) if config.projector else None
+        self.is_last_stage = True
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -119,15 +122,21 @@ class VisionEncoder(nn.Module):
         x = images.reshape(batch, channels, height // p, p, width // p, p)
         return x.permute(0, 2, 4, 1, 3, 5).reshape(batch, (height // p) * (width // p), channels * p * p)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(self.patches(images))
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], 1, -1), x], dim=1)
         x = x + self.pos_embed
-        if self.pre_norm is not None:
-            x = self.pre_norm(x)
+        return self.pre_norm(x) if self.pre_norm is not None else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (batch, channels, H, W) on the first stage, hidden states on later ones."""
+        if x.dim() == 4:
+            x = self.embed(x)
         for block in self.layers.values():
             x = block(x)
+        if not self.is_last_stage:
+            return x
         x = x[:, int(self.config.class_token):]
         if self.feature_norm is not None:
             x = self.feature_norm(x)

@@ -54,5 +54,12 @@ class ViTKind(Kind):
     def has_loss(self, config: ViTConfig) -> bool:
         return False
 
+    def stage_shape(self, config: ViTConfig, rows: int, layout, options) -> tuple[int, ...]:
+        """The residual stream a later pipeline stage receives: every token of each image."""
+        return (rows, config.seq_len, config.hidden_size)
+
     def stage(self, model: VisionEncoder, step: StageStep) -> StageResult:
-        return StageResult(outputs={"embeddings": model(step.data["images"])})
+        out = model(step.data["images"] if step.mesh.is_first_stage else step.activation)
+        if not step.mesh.is_last_stage:
+            return StageResult(activation=out)
+        return StageResult(outputs={"embeddings": out})

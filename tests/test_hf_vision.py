@@ -14,7 +14,7 @@ import transformers
 
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint
-from hetero.kinds.vit.hf import check_weights, load_vit, vit_config
+from hetero.kinds.vit.hf import check_weights, load_vit, passed_over, vit_config
 from hetero.kinds.vit.model import VisionEncoder
 
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_channels=1,
@@ -133,7 +133,7 @@ def test_an_imported_tower_under_a_layout_gives_transformers_features_and_export
     checkpoint = HFCheckpoint(source)
     config = vit_config(checkpoint.config, {"feature_layer": feature_layer})
     prefix = "vision_model." if CASES[case][2] else ""
-    used = [n for n in checkpoint.names() if n.startswith(prefix) and not _passed_over(n[len(prefix):], config)]
+    used = [n for n in checkpoint.names() if n.startswith(prefix) and not passed_over(n[len(prefix):], config)]
     total = sum(t.numel() * t.element_size() for _, t in checkpoint.tensors(used))
     errors = []
     for rows, features, read, stage in results:
@@ -156,12 +156,6 @@ def test_an_imported_tower_under_a_layout_gives_transformers_features_and_export
         assert a.dtype == b.dtype and torch.equal(a, b), name
     reloaded = getattr(transformers, exported.config["architectures"][0]).from_pretrained(tmp_path / "out").eval()
     torch.testing.assert_close(expected_features(reloaded, case, images(4)), expected, rtol=0, atol=0)
-
-
-def _passed_over(name, config):
-    from hetero.kinds.vit.hf import passed_over
-
-    return passed_over(name, config)
 
 
 def vision_config(**changes):

@@ -23,6 +23,7 @@ import torch
 
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.gpt.hf import gpt_weights, hf_config, weight_names
+from hetero.kinds.gpt.model import GPT
 from hetero.testing.multiprocess import run_ranks
 
 SHARD_BYTES = 64 << 20
@@ -33,8 +34,6 @@ def write_checkpoint(path: Path, config: GPTConfig) -> int:
     from safetensors.torch import save_file
 
     with torch.device("meta"):
-        from hetero.kinds.gpt.model import GPT
-
         shapes = {name: tuple(t.shape) for name, t in GPT(config).state_dict().items()}
     name_of = weight_names(config)
     path.mkdir(parents=True, exist_ok=True)
@@ -69,6 +68,7 @@ def _status_kib(field: str) -> int:
 def load_on_rank(rank: int, world_size: int, path: str, seq_len: int) -> dict[str, int]:
     """The peak's rise over two builds in turn: a tiny LLM at the same layout, from random weights (what
     any job's first build costs: imports, process groups, allocator pools), then the one from ``path``."""
+    from hetero.parallel.data import local_data
     from hetero.runtime import build_runtime
     from hetero.testing.experiments import experiment, module
 
@@ -82,8 +82,7 @@ def load_on_rank(rank: int, world_size: int, path: str, seq_len: int) -> dict[st
         runtime = build_runtime(config)
         rises.append((_status_kib("VmHWM") - before) * 1024)
     state = runtime.modules["llm"]
-    held = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
-               for p in state.model.parameters())
+    held = sum(local_data(p).numel() * p.element_size() for p in state.model.parameters())
     return {"first_build": rises[0], "rise": rises[1], "held": held, "read": state.pretrained_bytes}
 
 

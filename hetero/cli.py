@@ -46,6 +46,7 @@ def _train(args: argparse.Namespace) -> int:
 
 BENCHMARKS = {
     "activation-compression": "hetero.bench.activation_compression",
+    "balance": "hetero.bench.balance",
     "boundary": "hetero.bench.boundary",
     "compression": "hetero.bench.compression",
     "cp-attention": "hetero.bench.cp_attention",
@@ -53,6 +54,7 @@ BENCHMARKS = {
     "hf-load": "hetero.bench.hf_load",
     "graph": "hetero.bench.graph",
     "overhead": "hetero.bench.overhead",
+    "packing": "hetero.bench.packing",
     "plan-accuracy": "hetero.bench.plan_accuracy",
     "schedules": "hetero.bench.schedules",
     "throughput": "hetero.bench.throughput",

@@ -126,6 +126,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     nonfinite: str = "skip"  # a NaN/Inf loss or gradient on any rank: skip the step everywhere | stop the job
     bad_shards: str = "error"  # a corrupt data shard: error | skip (leave its samples out, with a warning)
+    stream_buffer: int = 0  # > 0: stream the training shards through a shuffle buffer of this many samples
+    sample_log: bool = False  # write each step's sample ids (the batch's index) to <run dir>/samples.jsonl
 
 
 @dataclass

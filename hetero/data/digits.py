@@ -236,23 +236,26 @@ class DigitBatches(SampleBatches):
         if num_image_tokens < 0:
             raise ValueError(f"num_image_tokens={num_image_tokens} must not be negative")
         samples = read_split(shard_dir, split, bad_shards)
-        longest = max(len(encode(s["txt"])) for s in samples)
-        if num_image_tokens + longest > seq_len:
-            raise ValueError(
-                f"seq_len={seq_len} with num_image_tokens={num_image_tokens}: the {split} captions are up to "
-                f"{longest} bytes, so seq_len must be at least num_image_tokens + {longest}"
-            )
-        sequences = [
-            vlm_sequence(s["txt"], s["json"]["digit_offset"], num_image_tokens, seq_len) for s in samples
-        ]
-        super().__init__({
-            "images": torch.from_numpy(np.stack([s["npy"] for s in samples])),
-            "tokens": torch.stack([tokens for tokens, _, _ in sequences]),
-            "labels": torch.stack([labels for _, labels, _ in sequences]),
-            "digit_position": torch.tensor([position for _, _, position in sequences]),
-            "label": torch.tensor([s["cls"] for s in samples]),
-            "index": torch.tensor([s["json"]["index"] for s in samples]),
-        }, split, global_batch_size, seed)
+        super().__init__(digit_columns(samples, num_image_tokens, seq_len, split), split, global_batch_size, seed)
+
+
+def digit_columns(samples: list[dict[str, Any]], num_image_tokens: int, seq_len: int, split: str) -> dict[str, torch.Tensor]:
+    """The batch columns of decoded digit samples (``DigitBatches``'s)."""
+    longest = max(len(encode(s["txt"])) for s in samples)
+    if num_image_tokens + longest > seq_len:
+        raise ValueError(
+            f"seq_len={seq_len} with num_image_tokens={num_image_tokens}: the {split} captions are up to "
+            f"{longest} bytes, so seq_len must be at least num_image_tokens + {longest}"
+        )
+    sequences = [vlm_sequence(s["txt"], s["json"]["digit_offset"], num_image_tokens, seq_len) for s in samples]
+    return {
+        "images": torch.from_numpy(np.stack([s["npy"] for s in samples])),
+        "tokens": torch.stack([tokens for tokens, _, _ in sequences]),
+        "labels": torch.stack([labels for _, labels, _ in sequences]),
+        "digit_position": torch.tensor([position for _, _, position in sequences]),
+        "label": torch.tensor([s["cls"] for s in samples]),
+        "index": torch.tensor([s["json"]["index"] for s in samples]),
+    }
 
 
 def dp_rows(batch_size: int, dp_rank: int, dp_size: int) -> slice:

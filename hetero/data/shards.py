@@ -132,7 +132,7 @@ def read_split(shard_dir: str | os.PathLike, split: str, bad_shards: str = "erro
     samples: list[dict[str, Any]] = []
     for shard in splits[split]["shards"]:
         try:
-            samples.extend(_read_shard(shard_dir / shard["file"], shard))
+            samples.extend(read_shard(shard_dir / shard["file"], shard))
         except ShardError as err:
             if bad_shards != "skip":
                 raise
@@ -220,7 +220,8 @@ def _move_into_place(staging: Path, out_dir: Path, overwrite: bool) -> None:
         shutil.rmtree(old)
 
 
-def _read_shard(path: Path, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+def read_shard(path: Path, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The decoded samples of one shard, checked against its manifest ``entry`` (size, SHA-256, count)."""
     if not path.is_file():
         raise ShardError(f"shard {path} is listed in the manifest but missing")
     found = _fingerprint(path)

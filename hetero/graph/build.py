@@ -175,13 +175,19 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
                     f"sequence_parallel=false here (got {module.name}.layout.cp={module.layout.cp}, "
                     f"{module.name}.parallel.sequence_parallel={str(module.options.sequence_parallel).lower()})"
                 )
+        routed = sent.tokens is None and src.kind.per_item(src.config)
+        if routed and not taken.placeholders:
+            errors.append(f"{where}: {src.name} hands on each image's own number of tokens, which only placeholders "
+                          f"take; {dst.name}'s input {port_in} has none")
+        if routed and config.compression.enabled:
+            errors.append(f"{where}: native-resolution images' tokens travel uncompressed; turn edges[{i}].compression off")
         if config.compression.enabled and (_splits_sequence(src) or _splits_sequence(dst)):
             errors.append(
                 f"{where}: a compressed edge carries whole sequences; run {src.name} and {dst.name} with cp=1 and "
                 f"sequence_parallel=false, or turn edges[{i}].compression off"
             )
         offset = 0
-        if taken.placeholders:
+        if taken.placeholders and not routed:
             offset = offsets.get((dst.name, port_in), 0)
             offsets[(dst.name, port_in)] = offset + sent.tokens
             if taken.tokens is not None and offset + sent.tokens > taken.tokens:
@@ -189,7 +195,7 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
                     f"{where}: {dst.name}'s placeholders end at position {offset + sent.tokens} (the edges into it "
                     f"hold {offset + sent.tokens} tokens in edge order) beyond {dst.name}.model.seq_len={taken.tokens}"
                 )
-        elif src.kind.modality not in (None, dst.kind.modality):
+        elif not taken.placeholders and src.kind.modality not in (None, dst.kind.modality):
             errors.append(
                 f"{where}: {dst.name} needs its {port_in} on every row it processes (rows with {dst.kind.modality}), "
                 f"but {src.name} only processes rows with {src.kind.modality}"
@@ -197,7 +203,7 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
         errors += config.compression.errors(f"edges[{i}].compression", experiment.train.sample_reuse, sent.width)
         window = (offset, taken.tokens) if taken.placeholders and taken.tokens is not None else None
         edges.append(Edge(i, src.name, dst.name, output, port_in, sent.tokens or 0, sent.width, taken.placeholders,
-                          offset, config.compression, _sharding(src), _sharding(dst, window)))
+                          offset, config.compression, _sharding(src), _sharding(dst, window), routed))
     for node in nodes.values():
         for port, spec in node.kind.inputs(node.config).items():
             feeding = [e for e in edges if e.dst == node.name and e.input == port]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hetero.kernels.documents import Documents
+
 
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """(batch, seq, heads · head_dim) -> (batch, heads, seq, head_dim). The head count comes from the width,
@@ -29,17 +31,24 @@ def expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
     return k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention on (batch, heads, seq, head_dim); k/v may have fewer heads (GQA)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     documents: Documents | None = None) -> torch.Tensor:
+    """Causal attention on (batch, heads, seq, head_dim); k/v may have fewer heads (GQA). With
+    ``documents`` (packed rows, the whole row held here) a token sees only its own document."""
     k, v = expand_kv(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    whole = slice(0, q.shape[2])
+    mask = documents.block(whole, whole, True, q.dtype) if documents is not None else None
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.additive)
 
 
 class CausalAttention(torch.nn.Module):
     """The attention kernel as a module, so a parallel plan can swap it (e.g. for context parallelism)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return causal_attention(q, k, v)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        return causal_attention(q, k, v, documents)
 
 
 class LocalCausalAttention(torch.nn.Module):

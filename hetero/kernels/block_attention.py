@@ -7,6 +7,10 @@ per query; ``merge_blocks`` combines blocks of one query chunk into the attentio
 ``block_backward`` takes the *merged* output and log-sum-exp, so the blocks' gradients sum to the exact
 gradient of the whole attention (softmax probabilities are rebuilt from the merged log-sum-exp).
 
+Packed rows (``hetero.kernels.documents``) add a mask per block: an additive (0 / -inf) mask with the
+causal rule folded in, and which queries see any key of the block; a query that sees none gets a
+log-sum-exp of -inf (no share in the merge) and an output of 0.
+
 Grouped-query attention (fewer K/V heads than query heads) runs without copying K/V: the CPU kernel
 takes it natively, and the math path broadcasts each K/V head over its group of query heads.
 
@@ -22,6 +26,8 @@ import math
 
 import torch
 
+from hetero.kernels.documents import BlockMask
+
 KERNELS = ("auto", "flash", "math")
 
 
@@ -34,29 +40,35 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, kernel: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, kernel: str = "auto",
+    mask: BlockMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output (batch, heads, q_len, head_dim), log-sum-exp (batch, heads, q_len), fp32 or wider) of one block."""
     if _use_flash(q, kernel):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    scores = _scores(q, k, causal).to(_wide(q.dtype))
+        if mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
+                                                                            attn_mask=mask.additive)
+        return out, lse.masked_fill(~mask.has_keys, float("-inf"))
+    scores = _scores(q, k, causal, mask).to(_wide(q.dtype))
     lse = scores.logsumexp(-1)
-    probs = (scores - lse[..., None]).exp().to(q.dtype)
+    probs = (scores - _finite(lse)[..., None]).exp().to(q.dtype)
     return _ungroup(probs @ v.unsqueeze(2)), _ungroup(lse)
 
 
 def block_backward(
     grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    causal: bool, kernel: str = "auto",
+    causal: bool, kernel: str = "auto", mask: BlockMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v for one block, given the merged ``out`` and ``lse`` of q's whole attention."""
     if _use_flash(q, kernel):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal
+            grad.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal and mask is None,
+            attn_mask=None if mask is None else mask.additive,
         )
     groups, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
     wide = _wide(q.dtype)
-    probs = (_scores(q, k, causal).to(wide) - _group(lse, groups)[..., None]).exp().to(q.dtype)
+    probs = (_scores(q, k, causal, mask).to(wide) - _group(lse, groups)[..., None]).exp().to(q.dtype)
     grad_g, out_g = _group(grad, groups), _group(out, groups)
     grad_v = (probs.transpose(-1, -2) @ grad_g).sum(2)
     grad_probs = grad_g @ v.unsqueeze(2).transpose(-1, -2)
@@ -73,7 +85,7 @@ def merge_blocks(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.
     if len(parts) == 1:
         return parts[0]
     lse = torch.stack([p[1] for p in parts]).logsumexp(0)
-    out = sum(p[0].to(lse.dtype) * (p[1] - lse).exp()[..., None] for p in parts)
+    out = sum(p[0].to(lse.dtype) * (p[1] - _finite(lse)).exp()[..., None] for p in parts)
     return out.to(parts[0][0].dtype), lse
 
 
@@ -86,10 +98,18 @@ def _ungroup(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(1, 2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """(batch, kv_heads, groups, q_len, k_len) scaled scores; -inf above the diagonal of a causal block."""
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a query that sees no key) as 0, so that exp(scores - lse) is 0 there, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: BlockMask | None = None) -> torch.Tensor:
+    """(batch, kv_heads, groups, q_len, k_len) scaled scores; -inf above the diagonal of a causal block, or
+    where the block's document mask says so."""
     groups = q.shape[1] // k.shape[1]
     scores = _group(q, groups) @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        return scores + mask.additive[:, :, None].to(scores.dtype)
     if causal:
         above = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(above, float("-inf"))

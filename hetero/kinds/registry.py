@@ -7,7 +7,8 @@ A kind is what the runtime needs to train a module of it, whatever graph it sits
 - ``build(config)``: the pure ``nn.Module``; ``parallelize(model, mesh, options)``: its plan (TP, CP,
   the pipeline stage's part, checkpointing, FSDP2);
 - ``modality``: the presence flag (``has_<modality>`` in a batch) of the rows it processes, or None for
-  every row; ``data_keys``: the batch columns it reads (``evaluation_keys``: more, in evaluation);
+  every row; ``data_keys``: the batch columns it reads (``optional_keys``: more, when a batch has them;
+  ``evaluation_keys``: more, in evaluation);
 - ``inputs`` / ``outputs``: the tensors it consumes from and produces for other modules (``Port``);
 - ``stage(model, step)``: one microbatch on this rank's pipeline stage (``StageStep`` in,
   ``StageResult`` out): the activation for the next stage, or on the last stage its outputs, its loss
@@ -61,7 +62,9 @@ class Port:
 class Arrival:
     """One edge's tensor on the destination's first stage: ``tensor`` (rows, tokens, width) holds the
     rows ``positions`` of the stage's microbatch (indices into its local rows); into placeholders, its
-    tokens go to ``index`` of the rank's local sequence (this rank's share of them under CP or SP)."""
+    tokens go to ``index`` of the rank's local sequence (this rank's share of them under CP or SP). A
+    routed edge's ``tensor`` is (tokens, width), token ``t`` going to local row ``positions[t]`` at
+    ``index[t]``."""
 
     port: str
     tensor: torch.Tensor
@@ -148,6 +151,24 @@ class Kind:
         raise NotImplementedError
 
     def data_keys(self, config: Any) -> tuple[str, ...]:
+        return ()
+
+    def per_item(self, config: Any) -> bool:
+        """Whether the module processes items (native-resolution images, the batch's ``image_*`` columns)
+        rather than rows; its DP replicas then split them by ``item_costs``."""
+        return False
+
+    def item_costs(self, config: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(items,) host tensor: each item's work, for balancing the module's DP replicas."""
+        raise NotImplementedError
+
+    def host_columns(self, config: Any, batch: dict[str, torch.Tensor], keys: Iterable[str],
+                     local: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The columns ``keys`` of the rows (or items) ``local`` of ``batch``, on the host."""
+        return {key: batch[key][local] for key in keys}
+
+    def optional_keys(self, available: Iterable[str]) -> tuple[str, ...]:
+        """Columns of ``available`` it also reads, when a batch has them (e.g. packed rows' documents)."""
         return ()
 
     def evaluation_keys(self, available: Iterable[str]) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.kernels.attention import causal_attention
+from hetero.kernels.documents import Documents
 from hetero.parallel.context_attention import allgather_attention, ring_attention
 from hetero.parallel.options import CP_ATTENTION
 
@@ -78,7 +79,8 @@ class ContextParallelAttention(torch.nn.Module):
     """Causal attention over a sequence split zigzag-wise across the CP group (see the module docstring).
 
     ``forward(q, k, v)`` takes this rank's (batch, heads, S/cp, head_dim) parts and returns the output for
-    its local queries, causal over global positions. k/v may have fewer heads than q (GQA). ``method``:
+    its local queries, causal over global positions. k/v may have fewer heads than q (GQA). ``documents``
+    (packed rows): the whole rows' document ids; a token sees only its own document. ``method``:
     ``ring`` or ``allgather``. With cp == 1 it is ``causal_attention`` and ``group`` is not used.
     """
 
@@ -93,10 +95,11 @@ class ContextParallelAttention(torch.nn.Module):
             raise ValueError(f"cp attention method {method!r} is not one of {', '.join(CP_ATTENTION)}")
         self.group, self.cp, self.rank, self.method, self.kernel = group, cp, rank, method, kernel
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         if self.cp == 1:
-            return causal_attention(q, k, v)
+            return causal_attention(q, k, v, documents)
         if self.method == "ring":
-            return ring_attention(q, k, v, self.group, self.rank, self.cp, self.kernel)
+            return ring_attention(q, k, v, self.group, self.rank, self.cp, self.kernel, documents)
         k, v = gather_from_cp(k, 2, self.group), gather_from_cp(v, 2, self.group)
-        return allgather_attention(q, k, v, self.rank, self.cp, self.kernel)
+        return allgather_attention(q, k, v, self.rank, self.cp, self.kernel, documents)

@@ -5,8 +5,10 @@ A CP rank holds two chunks of the sequence (``context.zigzag_indices``): query c
 block on the diagonal (``j == i``), and empty when ``j > i``, so no block needs a mask beyond SDPA's own
 ``is_causal``, and empty blocks are never computed. The blocks of one query chunk are merged by their
 log-sum-exp; the backward runs each block's backward with the merged output and log-sum-exp, which is
-exact (``hetero.kernels.block_attention``). A later document mask (packed sequences) adds a block kind
-between causal and full (keys of the same document); the classification is the one place it goes.
+exact (``hetero.kernels.block_attention``). Packed rows (``documents``) refine each block by its
+document mask (``Documents.block``): blocks that no document spans are skipped, those inside one
+document stay plain, the others carry a mask. Every rank holds every row's document ids, so the ring
+needs nothing more on the wire.
 
 - ``allgather_attention``: K/V gathered over the CP group in global order (autograd-aware: their
   gradients reduce-scatter back), then per query chunk one full block over every earlier key and one
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.kernels.block_attention import block_backward, block_forward, merge_blocks
+from hetero.kernels.documents import EMPTY, Documents
 
 
 def block_kind(query_chunk: int, key_chunk: int) -> str | None:
@@ -34,19 +37,25 @@ def block_kind(query_chunk: int, key_chunk: int) -> str | None:
 
 
 def allgather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, cp: int, kernel: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, cp: int, kernel: str = "auto",
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """``q``: this rank's two query chunks (batch, heads, 2c, head_dim); ``k``/``v``: every chunk, gathered in
     global order (batch, kv_heads, 2·cp·c, head_dim)."""
-    return _GatheredBlocks.apply(q, k, v, (rank, 2 * cp - 1 - rank), kernel)
+    return _GatheredBlocks.apply(q, k, v, (rank, 2 * cp - 1 - rank), kernel, documents)
 
 
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, rank: int, cp: int,
-    kernel: str = "auto",
+    kernel: str = "auto", documents: Documents | None = None,
 ) -> torch.Tensor:
     """``q``, ``k``, ``v``: this rank's two chunks each (batch, heads or kv_heads, 2c, head_dim)."""
-    return _Ring.apply(q, k, v, group, rank, cp, kernel)
+    return _Ring.apply(q, k, v, group, rank, cp, kernel, documents)
+
+
+def _mask(documents: Documents | None, queries: slice, keys: slice, causal: bool, dtype: torch.dtype):
+    """The document mask of a block (None without documents or where none is needed; ``EMPTY``: skip it)."""
+    return documents.block(queries, keys, causal, dtype) if documents is not None else None
 
 
 def _half(x: torch.Tensor, half: int) -> torch.Tensor:
@@ -60,20 +69,21 @@ def _chunk(x: torch.Tensor, index: int, size: int) -> torch.Tensor:
 
 class _GatheredBlocks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, chunks: tuple[int, int], kernel: str):
+    def forward(ctx, q, k, v, chunks: tuple[int, int], kernel: str, documents: Documents | None):
         c = q.shape[2] // 2
         outs, lses = [], []
         for half, i in enumerate(chunks):
             qi, parts = _half(q, half), []
-            if i > 0:  # every earlier chunk at once: they are contiguous in global order
-                parts.append(block_forward(qi, k[:, :, : i * c], v[:, :, : i * c], False, kernel))
-            parts.append(block_forward(qi, _chunk(k, i, c), _chunk(v, i, c), True, kernel))
+            for keys, causal in _gathered_blocks(i, c):
+                mask = _mask(documents, slice(i * c, (i + 1) * c), keys, causal, q.dtype)
+                if mask is not EMPTY:
+                    parts.append(block_forward(qi, k[:, :, keys], v[:, :, keys], causal, kernel, mask))
             out, lse = merge_blocks(parts)
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.chunks, ctx.kernel = chunks, kernel
+        ctx.chunks, ctx.kernel, ctx.documents = chunks, kernel, documents
         return out
 
     @staticmethod
@@ -84,13 +94,21 @@ class _GatheredBlocks(torch.autograd.Function):
         for half, i in enumerate(ctx.chunks):
             args = (_half(grad, half), _half(q, half))
             merged = (_half(out, half), lse[:, :, half * c : (half + 1) * c])
-            blocks = [(slice(i * c, (i + 1) * c), True)] + ([(slice(0, i * c), False)] if i > 0 else [])
-            for keys, causal in blocks:
-                gq, gk, gv = block_backward(*args, k[:, :, keys], v[:, :, keys], *merged, causal, ctx.kernel)
+            for keys, causal in _gathered_blocks(i, c):
+                mask = _mask(ctx.documents, slice(i * c, (i + 1) * c), keys, causal, q.dtype)
+                if mask is EMPTY:
+                    continue
+                gq, gk, gv = block_backward(*args, k[:, :, keys], v[:, :, keys], *merged, causal, ctx.kernel, mask)
                 _half(grad_q, half).add_(gq)
                 grad_k[:, :, keys] += gk
                 grad_v[:, :, keys] += gv
-        return grad_q, grad_k, grad_v, None, None
+        return grad_q, grad_k, grad_v, None, None, None
+
+
+def _gathered_blocks(i: int, c: int) -> list[tuple[slice, bool]]:
+    """Query chunk ``i``'s blocks over the gathered keys: its own chunk (causal), then every earlier chunk
+    at once (full; they are contiguous in global order)."""
+    return [(slice(i * c, (i + 1) * c), True)] + ([(slice(0, i * c), False)] if i > 0 else [])
 
 
 class _Shift:
@@ -114,7 +132,8 @@ KV_TAG, GRAD_TAG = 11, 12
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, rank: int, cp: int, kernel: str):
+    def forward(ctx, q, k, v, group, rank: int, cp: int, kernel: str, documents: Documents | None):
+        c = q.shape[2] // 2
         mine = (rank, 2 * cp - 1 - rank)
         kv = torch.stack([k, v])
         merged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
@@ -124,17 +143,18 @@ class _Ring(torch.autograd.Function):
             for half, i in enumerate(mine):
                 for key_half, j in enumerate((source, 2 * cp - 1 - source)):
                     kind = block_kind(i, j)
-                    if kind is None:
+                    mask = _ring_mask(documents, kind, i, j, c, q.dtype)
+                    if kind is None or mask is EMPTY:
                         continue
                     part = block_forward(_half(q, half), _half(kv[0], key_half), _half(kv[1], key_half),
-                                         kind == "causal", kernel)
+                                         kind == "causal", kernel, mask)
                     merged[half] = part if merged[half] is None else merge_blocks([merged[half], part])
             if upcoming is not None:
                 kv = upcoming.wait()
         out = torch.cat([merged[0][0], merged[1][0]], 2)
         lse = torch.cat([merged[0][1], merged[1][1]], 2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.rank, ctx.cp, ctx.kernel = group, rank, cp, kernel
+        ctx.group, ctx.rank, ctx.cp, ctx.kernel, ctx.documents = group, rank, cp, kernel, documents
         return out
 
     @staticmethod
@@ -154,10 +174,11 @@ class _Ring(torch.autograd.Function):
                 merged = (_half(out, half), lse[:, :, half * c : (half + 1) * c])
                 for key_half, j in enumerate((source, 2 * cp - 1 - source)):
                     kind = block_kind(i, j)
-                    if kind is None:
+                    mask = _ring_mask(ctx.documents, kind, i, j, c, q.dtype)
+                    if kind is None or mask is EMPTY:
                         continue
                     gq, gk, gv = block_backward(_half(grad, half), _half(q, half), _half(kv[0], key_half),
-                                                _half(kv[1], key_half), *merged, kind == "causal", kernel)
+                                                _half(kv[1], key_half), *merged, kind == "causal", kernel, mask)
                     _half(grad_q, half).add_(gq)
                     _half(grad_kv[0], key_half).add_(gk)
                     _half(grad_kv[1], key_half).add_(gv)
@@ -165,4 +186,10 @@ class _Ring(torch.autograd.Function):
             grad_kv = _Shift(grad_kv, group, rank, cp, GRAD_TAG).wait()
             if upcoming is not None:
                 kv = upcoming.wait()
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None, None
+
+
+def _ring_mask(documents: Documents | None, kind: str | None, i: int, j: int, c: int, dtype: torch.dtype):
+    if kind is None:
+        return None
+    return _mask(documents, slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), kind == "causal", dtype)

@@ -36,6 +36,7 @@ from hetero.parallel.sharding import sequence_spans
 from hetero.parallel.compressed_boundary import CompressedBoundary
 from hetero.parallel.layout import Layout
 from hetero.runtime.rows import StepRows, to_device
+from hetero.runtime.routed_edge import RoutedEdge
 from hetero.runtime.schedule import Action
 
 if TYPE_CHECKING:
@@ -83,13 +84,13 @@ class Executor:
         local = self._local(name, m)
         if self._skips(name, local):
             return
-        keys = node.kind.data_keys(node.config)
+        keys = node.kind.data_keys(node.config) + node.kind.optional_keys(self.batch)
         keys += tuple(k for k in node.kind.evaluation_keys(self.batch) if not self.training)
         missing = [k for k in keys if k not in self.batch]
         if missing:
             raise KeyError(f"{name} ({node.kind.name}) reads batch columns {missing}, which this batch lacks "
                            f"(it has {', '.join(self.batch)})")
-        host = {k: self.batch[k][local] for k in keys}
+        host = node.kind.host_columns(node.config, self.batch, keys, local)
         data = {k: to_device(v, module.device) for k, v in host.items()}
         received = None
         if not mesh.is_first_stage:
@@ -155,6 +156,8 @@ class Executor:
     def edge_forward(self, edge_name: str, m: int) -> None:
         runtime_edge = self.runtime.edges[edge_name]
         edge = runtime_edge.edge
+        if edge.routed:
+            return self._routed_forward(runtime_edge, m)
         if len(self.rows.edge(edge, m)) == 0:
             return
         split = self.rows.split(edge, m)
@@ -176,9 +179,36 @@ class Executor:
             positions = self.rows.positions(edge, m, edge.dst, dst.mesh.coord.dp).to(dst.device)
             self.arrivals[(edge.dst, m)].append(Arrival(edge.input, leaf, positions, runtime_edge.index))
 
+    def _routed_forward(self, runtime_edge: RoutedEdge, m: int) -> None:
+        edge = runtime_edge.edge
+        if len(self.rows.module(edge.src, m)) == 0:
+            return
+        x = None
+        if runtime_edge.is_source:
+            result = self.outputs.get((edge.src, m))
+            src = self.runtime.modules[edge.src]
+            x = (result.outputs[edge.output].detach().float() if result is not None
+                 else torch.zeros(0, edge.width, device=src.device))
+        values, rows, positions = runtime_edge.forward(m, x, runtime_edge.request(self.rows, self.batch, m, self.graph))
+        if runtime_edge.is_destination:
+            leaf = values.detach().requires_grad_(self.training)
+            self.delivered[(edge.name, m)] = leaf
+            self.arrivals[(edge.dst, m)].append(Arrival(edge.input, leaf, rows, positions))
+
     def edge_backward(self, edge_name: str, m: int) -> None:
         runtime_edge = self.runtime.edges[edge_name]
         edge = runtime_edge.edge
+        if edge.routed:
+            if len(self.rows.module(edge.src, m)) == 0:
+                return
+            leaf = self.delivered.pop((edge_name, m), None)
+            grad = None if leaf is None else (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+            returned = runtime_edge.backward(m, grad)
+            if runtime_edge.is_source and (edge.src, m) in self.saved:
+                output = self.saved[(edge.src, m)][1].outputs[edge.output]
+                grads = self.output_grads[(edge.src, m)]
+                grads[edge.output] = grads.get(edge.output, torch.zeros_like(output)) + returned.to(output.dtype)
+            return
         if len(self.rows.edge(edge, m)) == 0:
             return
         split = self.rows.split(edge, m)
@@ -264,6 +294,10 @@ class RuntimeEdge:
         for link in (self.plain, self.codec):
             if link is not None:
                 link.wait_sends()
+
+    def counters(self) -> dict[str, int]:
+        """The plain boundary's byte and call counters on this rank."""
+        return self.plain.counters()
 
     def sent_bytes(self) -> dict[str, int]:
         """Wire bytes this rank sent so far (cross-module and within replica groups), per direction."""

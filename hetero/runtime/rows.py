@@ -5,6 +5,11 @@ presence flag for its kind's modality (``has_<modality>``) is set, or every row;
 those rows into contiguous runs, earlier replicas taking the extra row. An edge carries the rows both its
 modules process, in order, so each replica on either side holds one contiguous run of them. Every rank
 holds the same global batch and computes the same answer, so all agree on shapes and skipped calls.
+
+A module whose kind works on items (native-resolution images: the batch's ``image_*`` columns, one
+entry per image, ``image_row`` naming the row each belongs to) processes the items of the microbatch's
+rows instead, and its DP replicas split them by cost (an image's patches), not by count
+(``balanced_split``): the most costly first, each onto the replica with the least so far.
 """
 
 from __future__ import annotations
@@ -16,39 +21,73 @@ from hetero.graph.graph import Edge, Graph
 from hetero.parallel.sharding import Rows
 
 
+ITEM_PREFIX = "image_"  # columns with an entry per image (or per patch), not per row
+
+
+def batch_size(batch: dict[str, torch.Tensor]) -> int:
+    """The rows of a global batch: the length of its per-row columns."""
+    return len(next(v for k, v in batch.items() if not k.startswith(ITEM_PREFIX)))
+
+
+def balanced_split(costs: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Indices of ``costs`` split into ``parts`` of near-equal total cost: the most costly first (earlier
+    on ties), each onto the part with the least so far (the lower on ties); each part in ascending order."""
+    loads, chosen = [0] * parts, [[] for _ in range(parts)]
+    for index in sorted(range(len(costs)), key=lambda i: (-int(costs[i]), i)):
+        part = min(range(parts), key=lambda p: (loads[p], p))
+        loads[part] += int(costs[index])
+        chosen[part].append(index)
+    return [torch.tensor(sorted(c), dtype=torch.long, device="cpu") for c in chosen]
+
+
 def presence(batch: dict[str, torch.Tensor], modality: str | None) -> torch.Tensor:
     """(B,) bool: the rows carrying ``modality`` (every row without a modality or without the flag)."""
-    size = len(next(iter(batch.values())))
+    size = batch_size(batch)
     flag = batch.get(f"has_{modality}") if modality is not None else None
     return torch.ones(size, dtype=torch.bool, device="cpu") if flag is None else flag.bool().cpu()
 
 
 class StepRows:
     def __init__(self, graph: Graph, batch: dict[str, torch.Tensor], microbatches: int):
-        size = len(next(iter(batch.values())))
+        size = batch_size(batch)
         if size % microbatches:
             raise ValueError(f"a global batch of {size} samples does not split into {microbatches} microbatches")
         self.graph, self.size, self.microbatches = graph, size, microbatches
         micro = size // microbatches
         self.spans = [slice(m * micro, (m + 1) * micro) for m in range(microbatches)]
-        self.present = {name: presence(batch, node.kind.modality) for name, node in graph.nodes.items()}
+        self.items = {name: node.kind.item_costs(node.config, batch) for name, node in graph.nodes.items()
+                      if node.kind.per_item(node.config)}
+        self.present = {name: presence(batch, node.kind.modality) for name, node in graph.nodes.items()
+                        if name not in self.items}
         self._rows = {
             name: [span.start + torch.nonzero(flags[span]).flatten() for span in self.spans]
             for name, flags in self.present.items()
         }
+        if self.items:
+            owner = batch["image_row"].cpu()
+            for name in self.items:
+                self._rows[name] = [torch.nonzero((owner >= s.start) & (owner < s.stop)).flatten() for s in self.spans]
         self._memo: dict[tuple, object] = {}
 
     def all(self, name: str) -> torch.Tensor:
-        """Every global row module ``name`` processes in the batch."""
+        """Every global row (or item) module ``name`` processes in the batch."""
+        if name in self.items:
+            return torch.cat(self._rows[name])
         return torch.nonzero(self.present[name]).flatten()
 
     def module(self, name: str, m: int) -> torch.Tensor:
-        """The global rows module ``name`` processes in microbatch ``m``."""
+        """The global rows (or items) module ``name`` processes in microbatch ``m``."""
         return self._rows[name][m]
 
     def local(self, name: str, m: int, dp_rank: int) -> torch.Tensor:
-        """The rows DP replica ``dp_rank`` of module ``name`` takes in microbatch ``m``."""
+        """The rows (or items) DP replica ``dp_rank`` of module ``name`` takes in microbatch ``m``."""
         rows = self._rows[name][m]
+        if name in self.items:
+            key = ("items", name, m)
+            if key not in self._memo:
+                self._memo[key] = [rows[part] for part in balanced_split(self.items[name][rows],
+                                                                         self.graph.nodes[name].layout.dp)]
+            return self._memo[key][dp_rank]
         return rows[dp_rows(len(rows), dp_rank, self.graph.nodes[name].layout.dp)]
 
     def edge(self, edge: Edge, m: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from hetero.graph.graph import Graph
 from hetero.parallel.compression.collective import Collective
 from hetero.parallel.mesh import ModuleMesh
 from hetero.runtime.executor import Executor, RuntimeEdge
+from hetero.runtime.routed_edge import RoutedEdge
 from hetero.runtime.links import StageLinks
 from hetero.runtime.module import ModuleState
 from hetero.runtime.rows import StepRows
@@ -59,7 +60,8 @@ class Runtime:
                         for name in graph.nodes if name in meshes}
         async_sends = graph.schedule == "graph_1f1b"
         # Built on every rank, in the same order, whether or not this rank takes part.
-        self.edges = {e.name: RuntimeEdge(e, graph, timeout_s, async_sends, self.device) for e in graph.edges}
+        self.edges = {e.name: (RoutedEdge if e.routed else RuntimeEdge)(e, graph, timeout_s, async_sends, self.device)
+                      for e in graph.edges}
         self.links = {name: StageLinks(module.mesh, module.node.settings.compression.pipeline, self.device)
                       for name, module in self.modules.items()}
         self.actions = {training: check_schedule(graph, microbatches, training)[self.rank] for training in (True, False)}
@@ -150,6 +152,8 @@ class Runtime:
     def _check(self, batch: dict[str, torch.Tensor]) -> None:
         errors = [error for name, node in self.graph.nodes.items()
                   for error in node.kind.batch_errors(name, node.config, batch)]
+        errors += [error for edge in self.edges.values() if isinstance(edge, RoutedEdge) and "image_grid" in batch
+                   for error in edge.batch_errors(batch)]
         if errors:
             raise ValueError("\n".join(errors))
 

@@ -132,7 +132,7 @@ def record_run(runtime, batches: Iterable[dict], keys: Sequence[str] = ("loss",)
         record.grad_norms.append(metrics["grad_norm"])
         if step == 0:
             record.grads = module_grads(runtime)
-            record.edge_bytes = {name: tuple(edge.plain.counters().get(key, 0) for key in (
+            record.edge_bytes = {name: tuple(edge.counters().get(key, 0) for key in (
                 "forward.cross_sent_bytes", "forward.intra_sent_bytes", "backward.cross_sent_bytes"))
                 for name, edge in runtime.edges.items()}
     return record

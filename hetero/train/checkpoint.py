@@ -119,9 +119,9 @@ def check_resumable(path: Path, identity: RunIdentity) -> tuple[dict[str, Any], 
             f"or set train.checkpoint.resume=never"
         )
     for key, value in current["data"].items():
-        if saved["data"][key] != value:
+        if saved["data"].get(key) != value:
             raise CheckpointError(
-                f"checkpoint {path} was saved with {key}={saved['data'][key]!r}, this run has {value!r}: the data "
+                f"checkpoint {path} was saved with {key}={saved['data'].get(key)!r}, this run has {value!r}: the data "
                 f"position would not carry over; keep {key} or set train.checkpoint.resume=never"
             )
     return manifest, saved["local"] == current["local"]

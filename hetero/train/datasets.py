@@ -7,11 +7,15 @@ module, the frame size from the video module. ``prepare`` writes missing shards 
 barrier); they are real data that installs with the packages (``hetero.data``).
 
 - ``digits``: captioned scikit-learn digits (``images``, ``tokens``, ``labels``, ``digit_position``);
+  with ``train.stream_buffer`` > 0 its training split streams from the shards through a shuffle buffer
+  (``hetero.data.stream``) instead of being read into memory;
 - ``digits_dna``: the same with a genome window per sample and its GC-content bin in the caption;
 - ``multimodal``: text always, and an image, a genome window and a clip, each present with its own
   probability (``train.presence``);
 - ``video_clips``: clips that revisit a scene (``clips``, ``revisit``, ``index``);
 - ``genome``: windows of a bacterial chromosome (``dna``, ``dna_regions``);
+- ``photo_documents``: long packed rows of documents that mix photographs at native resolution and
+  text (``tokens``, ``labels``, ``documents``, ``image_*``; ``hetero.data.photo_documents``);
 - ``stdlib_text``: windows of Python's standard-library sources (``tokens``, ``labels``): bytes, or the
   tokens of the ``tokenizer.json`` beside the LLM's ``init.hf`` checkpoint when it has one.
 """
@@ -26,9 +30,11 @@ import torch.distributed as dist
 
 from hetero.config import ExperimentConfig
 from hetero.data.digit_dna import DigitDnaBatches
-from hetero.data.digits import DigitBatches, ensure_digit_shards
+from hetero.data.digits import DigitBatches, digit_columns, ensure_digit_shards
 from hetero.data.genome import GenomeOptions, GenomeWindows, ensure_genome_shards, genome_shards
 from hetero.data.multimodal import MultimodalBatches
+from hetero.data.photo_documents import PhotoDocuments
+from hetero.data.stream import ShardStream
 from hetero.data.text import heldout_batches, load_stdlib_corpus, sample_batch, tokenized
 from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards
 from hetero.errors import ConfigError
@@ -143,9 +149,13 @@ def load(experiment: ExperimentConfig, graph: Graph, split: str) -> Batches:
     """The global batches of ``split`` (train | heldout); the shards must exist (``prepare``)."""
     cfg, dataset = experiment.train, experiment.train.dataset
     size, seed = experiment.batch.global_batch_size, experiment.seed
-    if dataset in ("digits", "digits_dna", "multimodal", "stdlib_text"):
+    if dataset in ("digits", "digits_dna", "multimodal", "stdlib_text", "photo_documents"):
         llm = _reader(graph, "tokens", dataset)
         seq_len = llm.config.seq_len
+    if dataset == "digits" and cfg.stream_buffer and split == "train":
+        placeholders = _placeholders(graph, llm)
+        return ShardStream(cfg.data_dir, split, size, lambda samples: digit_columns(samples, placeholders, seq_len, split),
+                           seed=seed, buffer=cfg.stream_buffer)
     if dataset == "digits":
         return DigitBatches(cfg.data_dir, split, size, _placeholders(graph, llm), seq_len, seed, cfg.bad_shards)
     if dataset == "digits_dna":
@@ -161,6 +171,10 @@ def load(experiment: ExperimentConfig, graph: Graph, split: str) -> Batches:
     if dataset == "genome":
         windows = GenomeWindows(_genome_dir(experiment, graph, dataset), split, size, seed)
         return Renamed(windows, {"bases": "dna", "regions": "dna_regions"})
+    if dataset == "photo_documents":
+        vision = _reader(graph, "image_patches", dataset).config
+        return PhotoDocuments(split, size, llm.config.seq_len, vision.patch_size, vision.max_patches, vision.channels,
+                              seed)
     if dataset == "stdlib_text":
         return TextWindows(split, size, seq_len, seed, tokenizer_of(llm))
     raise ConfigError(f"train.dataset={dataset!r} is not one of {', '.join(DATASETS)}")
@@ -175,6 +189,8 @@ COLUMNS = {  # what each dataset's batches hold
     "video_clips": ("clips", "revisit", "scene", "index"),
     "genome": ("dna", "dna_regions"),
     "stdlib_text": ("tokens", "labels"),
+    "photo_documents": ("tokens", "labels", "documents", "image_patches", "image_grid", "image_row", "image_start",
+                        "index"),
 }
 DATASETS = tuple(COLUMNS)
 
@@ -184,6 +200,11 @@ def check(experiment: ExperimentConfig, graph: Graph) -> None:
     dataset = experiment.train.dataset
     if dataset not in COLUMNS:
         raise ConfigError(f"train.dataset={dataset!r} is not one of {', '.join(DATASETS)}")
+    if experiment.train.stream_buffer and dataset != "digits":
+        raise ConfigError(f"train.stream_buffer={experiment.train.stream_buffer}: streaming reads the digits' shards; "
+                          f"train.dataset={dataset} is read whole, so set train.stream_buffer=0")
+    if experiment.train.stream_buffer < 0:
+        raise ConfigError(f"train.stream_buffer={experiment.train.stream_buffer} must be >= 0 (0: read into memory)")
     for node in graph.nodes.values():
         missing = [key for key in node.kind.data_keys(node.config) if key not in COLUMNS[dataset]]
         if missing:

@@ -40,6 +40,7 @@ def run_identity(experiment: ExperimentConfig, graph: Graph) -> RunIdentity:
             "batch.global_batch_size": experiment.batch.global_batch_size,
             "train.sample_reuse": experiment.train.sample_reuse,
             "train.dataset": experiment.train.dataset,
+            "train.stream_buffer": experiment.train.stream_buffer,
         },
         local={
             "layouts": {n: asdict(node.layout) for n, node in nodes.items()},
@@ -98,8 +99,11 @@ def _loop(job: Job, start: int) -> dict[str, float]:
     metrics = {"loss": math.nan}
     for step in range(start + 1, cfg.steps + 1):
         tick = time.perf_counter()
+        batch = train_batches.batch((step - 1) // cfg.sample_reuse)
         with guard.step(f"step {step}"):
-            metrics = runtime.train_step(train_batches.batch((step - 1) // cfg.sample_reuse))
+            metrics = runtime.train_step(batch)
+        if cfg.sample_log:
+            log.samples(step, batch["index"])
         seconds = time.perf_counter() - tick
         if not metrics["stepped"]:
             _skipped(job, step)

@@ -36,6 +36,7 @@ class RunLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.history = (run_dir / "metrics.jsonl").open("a")
+        self.sample_ids = None  # samples.jsonl, opened by the first samples() call
         print(f"run {experiment.name}: {run_dir}", flush=True)
         if experiment.train.wandb != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
@@ -64,6 +65,15 @@ class RunLog:
             self.wandb.log(metrics | {f"bytes/{k}": v for k, v in comm.items()}, step=step)
         self.history.write(json.dumps({"step": step} | metrics | {f"bytes/{k}": v for k, v in comm.items()}) + "\n")
         self.history.flush()
+
+    def samples(self, step: int, ids) -> None:
+        """The ids of the samples step ``step`` trained on, one JSON line (``train.sample_log``)."""
+        if not self.enabled:
+            return
+        if self.sample_ids is None:
+            self.sample_ids = (self.run_dir / "samples.jsonl").open("a")
+        self.sample_ids.write(json.dumps({"step": step, "ids": [int(i) for i in ids]}) + "\n")
+        self.sample_ids.flush()
 
     def resumed(self, path: Path, step: int, same_local: bool) -> None:
         if not self.enabled:

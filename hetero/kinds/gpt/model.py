@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.kernels.attention import CausalAttention, merge_heads, split_heads
+from hetero.kernels.documents import Documents
 from hetero.kinds.gpt.config import GPTConfig, RopeScaling
 
 
@@ -47,15 +48,19 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
 
 def rope_tables(head_dim: int, positions: torch.Tensor, theta: float,
                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of rotary angles for the given absolute positions: each (len(positions), head_dim)."""
+    """cos and sin of rotary angles for the given absolute positions (seq,) or (batch, seq): each
+    (*positions.shape, head_dim)."""
     inv_freq, attention = rope_frequencies(head_dim, theta, scaling, positions.device)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos() * attention, angles.sin() * attention
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, heads, seq, head_dim) by the position tables (seq, head_dim)."""
+    """Rotate (batch, heads, seq, head_dim) by the position tables (seq, head_dim) or, one row each,
+    (batch, seq, head_dim)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -77,13 +82,15 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         q = split_heads(self.wq(x), self.head_dim)
         k = split_heads(self.wk(x), self.head_dim)
         v = split_heads(self.wv(x), self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
         return self.wo(merge_heads(out))
 
 
@@ -108,8 +115,9 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -143,12 +151,15 @@ class GPT(nn.Module):
         positions: torch.Tensor | None = None,
         return_hidden: bool = False,
         inserts: Sequence[tuple[int, torch.Tensor, torch.Tensor]] = (),
+        documents: Documents | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token ids (batch, seq) or embeddings (batch, seq, hidden) on the first stage, hidden states on
         later stages.
 
         ``positions`` are the absolute positions of the sequence this rank holds (needed when the
-        sequence is split, e.g. by context parallelism); by default 0..seq-1. ``inserts``: other modules'
+        sequence is split, e.g. by context parallelism), (seq,) or one row each (batch, seq); by default
+        0..seq-1. ``documents``: packed rows, each token attending only within its document (the
+        positions then restart per document). ``inserts``: other modules'
         embeddings, each ``(index, values, rows)``, replacing local positions ``index`` of rows ``rows``
         of the token embeddings (placeholders). ``return_hidden``: also return the final
         (normed) hidden states, e.g. for a module conditioned on them.
@@ -164,7 +175,7 @@ class GPT(nn.Module):
         for index, values, rows in inserts:
             h = place_rows(h, index, values, rows)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, documents)
         if self.norm is not None:
             h = self.norm(h)
         out = self.output(h) if self.output is not None else h
@@ -173,9 +184,13 @@ class GPT(nn.Module):
 
 def place_rows(h: torch.Tensor, index: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``h`` (batch, seq, hidden) with positions ``index`` of rows ``rows`` replaced by ``values``
-    (len(rows), len(index), hidden); other rows unchanged. Differentiable in both."""
+    (len(rows), len(index), hidden), or token by token with values (tokens, hidden) going to
+    ``h[rows[t], index[t]]``; the rest unchanged. Differentiable in both."""
     out = h.clone()
-    out[rows[:, None], index[None, :]] = values.to(h.dtype)
+    if values.dim() == 2:
+        out[rows, index] = values.to(h.dtype)
+    else:
+        out[rows[:, None], index[None, :]] = values.to(h.dtype)
     return out
 
 

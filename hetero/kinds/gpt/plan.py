@@ -54,7 +54,7 @@ def block_plan(sequence_parallel: bool = False, qk_norm: bool = False) -> dict[s
         plan |= {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
             ),
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),

@@ -1,8 +1,10 @@
 """The ``gpt`` kind: a decoder-only LLM reading token ids, with other modules' embeddings at placeholder
 positions, trained on next-token cross-entropy.
 
-- reads ``tokens`` and ``labels`` of every row; in evaluation also every ``*_position`` column present
-  (e.g. ``digit_position``), whose next-token accuracy it reports as ``<name>_accuracy``;
+- reads ``tokens`` and ``labels`` of every row, and ``documents`` where rows are packed (several
+  documents per row, ``hetero.data.packing``): each token then attends only within its document and its
+  RoPE position restarts where its document starts; in evaluation also every ``*_position`` column
+  present (e.g. ``digit_position``), whose next-token accuracy it reports as ``<name>_accuracy``;
 - input ``embeddings`` (width ``hidden_size``): any number of edges, each replacing placeholder positions
   of the rows it carries (under CP and SP each rank the positions it holds);
 - output ``hidden`` (``seq_len`` × ``hidden_size``): the final (normed) hidden states of its rows, e.g. a
@@ -23,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hetero.data.digits import IGNORE_INDEX
+from hetero.kernels.documents import Documents, document_errors
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.gpt.model import GPT, token_loss_sum
 from hetero.kinds.gpt.plan import parallelize_gpt
@@ -67,11 +70,18 @@ class GPTKind(Kind):
     def data_keys(self, config: GPTConfig) -> tuple[str, ...]:
         return ("tokens", "labels")
 
+    def optional_keys(self, available) -> tuple[str, ...]:
+        return ("documents",) if "documents" in available else ()
+
     def batch_errors(self, module: str, config: GPTConfig, batch: dict[str, torch.Tensor]) -> list[str]:
-        return [f"{module}: the batch's {key} hold {batch[key].shape[1]} positions per row but {module}.model.seq_len="
-                f"{config.seq_len}; make the data's sequences {config.seq_len} long or set {module}.model.seq_len="
-                f"{batch[key].shape[1]}"
-                for key in ("tokens", "labels") if key in batch and batch[key].shape[1] != config.seq_len][:1]
+        errors = [f"{module}: the batch's {key} hold {batch[key].shape[1]} positions per row but {module}.model.seq_len="
+                  f"{config.seq_len}; make the data's sequences {config.seq_len} long or set {module}.model.seq_len="
+                  f"{batch[key].shape[1]}"
+                  for key in ("tokens", "labels", "documents")
+                  if key in batch and batch[key].dim() > 1 and batch[key].shape[1] != config.seq_len][:1]
+        if not errors and "documents" in batch:
+            errors = [f"{module}: {error}" for error in document_errors(batch["documents"])]
+        return errors
 
     def evaluation_keys(self, available) -> tuple[str, ...]:
         return tuple(key for key in available if key.endswith("_position"))
@@ -104,23 +114,26 @@ class GPTKind(Kind):
         cp, cp_rank = mesh.layout.cp, mesh.coord.cp
         tokens, labels = data["tokens"], data["labels"]
         seq_len = tokens.shape[1]
-        # The absolute positions of the tokens this rank holds (its zigzag chunks under CP), for RoPE.
-        positions = torch.arange(seq_len, device=step.device)
+        # Where in the row the tokens this rank holds sit (its zigzag chunks under CP); their RoPE
+        # positions, which restart per document in packed rows.
+        held = torch.arange(seq_len, device=step.device)
         if cp > 1:
             tokens, labels = split_for_cp(tokens, 1, cp, cp_rank), split_for_cp(labels, 1, cp, cp_rank)
-            positions = zigzag_indices(seq_len, cp, cp_rank, device=step.device)
+            held = zigzag_indices(seq_len, cp, cp_rank, device=step.device)
+        documents = Documents(step.host["documents"], step.device) if "documents" in step.host else None
+        positions = held if documents is None else documents.positions()[:, held]
         x = tokens if mesh.is_first_stage else step.activation
         inserts = [(arrival.index, arrival.tensor, arrival.positions) for arrival in step.inputs]
         if not mesh.is_last_stage:
-            return StageResult(activation=model(x, positions, inserts=inserts))
-        logits, hidden = model(x, positions, return_hidden=True, inserts=inserts)
+            return StageResult(activation=model(x, positions, inserts=inserts, documents=documents))
+        logits, hidden = model(x, positions, return_hidden=True, inserts=inserts, documents=documents)
         if isinstance(hidden, DTensor):  # sequence parallelism: this rank's part of the sequence
             hidden = hidden.to_local()
         result = StageResult(outputs={"hidden": hidden}, loss=token_loss_sum(logits, labels))
         if not step.training:
             for key in self.evaluation_keys(data):
                 result.metrics[key.removesuffix("_position") + "_accuracy"] = _position_accuracy(
-                    logits, labels, data[key], positions, seq_len
+                    logits, labels, data[key], held, seq_len
                 )
         return result
 

@@ -35,6 +35,9 @@ class ViTConfig:
     # An MLP projector into the LLM's width (out_size) inside the encoder; without it the encoder hands
     # on its features (out_size = hidden_size), e.g. to a module of kind projector.
     projector: bool = True
+    # Native resolution: > 0 takes images at their own sizes, each at most this many patches, packed
+    # (``image_*`` columns); the learned positions (an image_size grid) are interpolated to each image's.
+    max_patches: int = 0
 
     @property
     def ffn_size(self) -> int:
@@ -85,6 +88,14 @@ class ViTConfig:
             )
         if self.activation not in ACTIVATIONS:
             errors.append(f"{module}.model.activation={self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        if self.max_patches < 0:
+            errors.append(f"{module}.model.max_patches={self.max_patches} must be >= 0 (0: every image image_size wide)")
+        if self.max_patches and self.class_token:
+            errors.append(f"{module}.model.max_patches={self.max_patches} (native resolution) takes images without a "
+                          f"class token; set {module}.model.class_token=false")
+        if self.max_patches and layout.pp > 1:
+            errors.append(f"{module}.model.max_patches={self.max_patches} (native resolution) runs on one pipeline "
+                          f"stage; set {module}.layout.pp=1 and spread it with dp or tp")
         if not self.projector and self.out_size != self.hidden_size:
             errors.append(
                 f"{module}.model.out_size={self.out_size} is the projector's width, but projector=false hands on "

@@ -49,9 +49,10 @@ class EncoderAttention(nn.Module):
         self.wv = nn.Linear(config.hidden_size, config.hidden_size)
         self.wo = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` (..., seq, seq) bool: which patches each sees (packed images: its own image's)."""
         q, k, v = (split_heads(w(x), self.head_dim) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(merge_heads(out))
 
 
@@ -74,8 +75,8 @@ class EncoderBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = EncoderMLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -137,7 +138,41 @@ class VisionEncoder(nn.Module):
             x = block(x)
         if not self.is_last_stage:
             return x
-        x = x[:, int(self.config.class_token):]
+        return self.features(x[:, int(self.config.class_token):])
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
         if self.feature_norm is not None:
             x = self.feature_norm(x)
         return self.projector(x) if self.projector is not None else x
+
+    def grid_positions(self, height: int, width: int) -> torch.Tensor:
+        """The learned positions (an image_size grid) resized to a grid of ``height`` × ``width`` patches
+        (bilinear; the trained grid itself comes back unchanged): (height * width, hidden_size)."""
+        side = self.config.image_size // self.config.patch_size
+        table = self.pos_embed[int(self.config.class_token):]
+        if (height, width) == (side, side):
+            return table
+        grid = table.view(1, side, side, -1).permute(0, 3, 1, 2)
+        resized = F.interpolate(grid, size=(height, width), mode="bilinear", align_corners=False)
+        return resized[0].permute(1, 2, 0).reshape(height * width, -1)
+
+    def forward_packed(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
+        """Images at their own sizes, packed: ``patches`` (total, channels * patch * patch), image after
+        image, each row-major over its ``grids`` entry (height, width in patches). Each patch attends
+        to its own image's only; returns (total, out_size)."""
+        x = self.patch_embed(patches)
+        x = x + torch.cat([self.grid_positions(h, w) for h, w in grids])
+        if self.pre_norm is not None:
+            x = self.pre_norm(x)
+        mask = image_mask([h * w for h, w in grids], patches.device)
+        x = x[None]
+        for block in self.layers.values():
+            x = block(x, mask)
+        return self.features(x[0])
+
+
+def image_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """(total, total) bool: each position sees the positions of its own segment (block-diagonal)."""
+    owner = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                    torch.tensor(lengths, device=device))
+    return owner[:, None] == owner[None, :]

@@ -4,9 +4,17 @@ image, trained from scratch or imported from a SigLIP or CLIP checkpoint (``init
 Reads ``images`` of the rows with ``has_image`` (every row when a batch has no such flag); output
 ``embeddings``: ``num_patches`` tokens of width ``out_size`` per image (the features, ``hidden_size``
 wide, without a projector). It has no loss of its own: it learns from the gradients its consumers return.
+
+At native resolution (``max_patches`` > 0) it reads images instead of rows, any number per row and
+each at its own size (``hetero.data.native_images``): ``image_patches`` (every image's patches, image
+after image), ``image_grid`` (each image's height and width in patches); its DP replicas split the
+images by patch count. Its output is each image's tokens, one per patch, which the edge routes to the
+image's placeholders (``image_row``, from ``image_start``) in the consumer's rows.
 """
 
 from __future__ import annotations
+
+import torch
 
 from hetero.kinds.registry import Kind, Port, StageResult, StageStep
 from hetero.kinds.vit.config import ViTConfig
@@ -46,10 +54,44 @@ class ViTKind(Kind):
         return load_vit(model, path)
 
     def data_keys(self, config: ViTConfig) -> tuple[str, ...]:
-        return ("images",)
+        return ("image_patches", "image_grid") if config.max_patches else ("images",)
+
+    def per_item(self, config: ViTConfig) -> bool:
+        return config.max_patches > 0
+
+    def item_costs(self, config: ViTConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["image_grid"].cpu().prod(1)
+
+    def host_columns(self, config, batch, keys, local):
+        if not config.max_patches:
+            return super().host_columns(config, batch, keys, local)
+        sizes = batch["image_grid"].cpu().prod(1)
+        starts = sizes.cumsum(0) - sizes
+        patches = torch.cat([torch.arange(int(starts[i]), int(starts[i] + sizes[i])) for i in local.tolist()]
+                            or [torch.zeros(0, dtype=torch.long)])
+        return {"image_patches": batch["image_patches"][patches], "image_grid": batch["image_grid"][local]}
+
+    def batch_errors(self, module: str, config: ViTConfig, batch: dict[str, torch.Tensor]) -> list[str]:
+        if not config.max_patches:
+            return []
+        missing = [k for k in ("image_patches", "image_grid", "image_row", "image_start") if k not in batch]
+        if missing:
+            return [f"{module}: native-resolution images (max_patches={config.max_patches}) need the batch columns "
+                    f"{', '.join(missing)} (hetero.data.native_images.image_columns)"]
+        sizes = batch["image_grid"].cpu().prod(1)
+        errors = [f"{module}: image {i} holds {int(sizes[i])} patches ({int(batch['image_grid'][i, 0])}×"
+                  f"{int(batch['image_grid'][i, 1])}), more than {module}.model.max_patches={config.max_patches}; "
+                  f"shrink it to fit (hetero.data.native_images.fit_to_patches keeps its aspect ratio) or raise "
+                  f"{module}.model.max_patches" for i in torch.nonzero(sizes > config.max_patches).flatten().tolist()[:1]]
+        width = config.channels * config.patch_size**2
+        if tuple(batch["image_patches"].shape) != (int(sizes.sum()), width):
+            errors.append(f"{module}: image_patches has shape {tuple(batch['image_patches'].shape)} but image_grid "
+                          f"counts {int(sizes.sum())} patches of {width} values (channels × patch_size²)")
+        return errors
 
     def outputs(self, config: ViTConfig) -> dict[str, Port]:
-        return {"embeddings": Port(config.out_size, tokens=config.num_patches, field="out_size")}
+        tokens = None if config.max_patches else config.num_patches
+        return {"embeddings": Port(config.out_size, tokens=tokens, field="out_size")}
 
     def has_loss(self, config: ViTConfig) -> bool:
         return False
@@ -59,6 +101,9 @@ class ViTKind(Kind):
         return (rows, config.seq_len, config.hidden_size)
 
     def stage(self, model: VisionEncoder, step: StageStep) -> StageResult:
+        if step.config.max_patches:
+            grids = [tuple(g) for g in step.host["image_grid"].tolist()]
+            return StageResult(outputs={"embeddings": model.forward_packed(step.data["image_patches"], grids)})
         out = model(step.data["images"] if step.mesh.is_first_stage else step.activation)
         if not step.mesh.is_last_stage:
             return StageResult(activation=out)

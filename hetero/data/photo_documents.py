@@ -1,0 +1,62 @@
+"""Long packed rows of documents that mix photographs and text: ``train.dataset=photo_documents``.
+
+A document alternates text and images: a passage of Python's standard-library sources (byte tokens,
+``hetero.data.text``; the held-out split from its held-out files), then 1-4 photographs (random crops
+of scikit-image's, at native resolution up to the encoder's ``max_patches``), each followed by another
+passage. Documents pack into rows of the LLM's ``seq_len`` (4k-16k tokens in
+``long_context_native_vlm``); a document too long for the rest of a row starts the next one.
+
+Every step's batch is drawn from ``(seed, step)`` alone (the held-out batches from the held-out seed),
+so it is the same on every rank and under any layout. ``index`` numbers the rows of the stream
+(``step * rows + r``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetero.data.native_images import fit_to_patches, image_columns, load_photos, multimodal_document, photo_crops
+from hetero.data.packing import pack_rows, stack_rows
+from hetero.data.text import load_stdlib_corpus
+
+HELDOUT_BATCHES = 2
+HELDOUT_SEED = 1_000_003
+
+
+class PhotoDocuments:
+    def __init__(self, split: str, global_batch_size: int, seq_len: int, patch_size: int, max_patches: int,
+                 channels: int, seed: int = 0):
+        corpus = load_stdlib_corpus()
+        self.text = corpus.train if split == "train" else corpus.heldout
+        self.photos = load_photos(channels)
+        self.split, self.global_batch_size, self.seq_len, self.seed = split, global_batch_size, seq_len, seed
+        self.patch_size, self.max_patches, self.channels = patch_size, max_patches, channels
+
+    def _passage(self, generator: torch.Generator, longest: int) -> torch.Tensor:
+        length = int(torch.randint(16, max(17, longest), (), generator=generator))
+        start = int(torch.randint(0, self.text.numel() - length, (), generator=generator))
+        return self.text[start : start + length].long()
+
+    def _documents(self, generator: torch.Generator):
+        longest = max(32, self.seq_len // 8)
+        while True:
+            crops = photo_crops(self.photos, int(torch.randint(1, 5, (), generator=generator)), generator)
+            segments = [self._passage(generator, longest)]
+            for crop in crops:
+                segments += [fit_to_patches(crop, self.patch_size, self.max_patches), self._passage(generator, longest)]
+            document = multimodal_document(segments, self.patch_size)
+            if len(document["tokens"]) <= self.seq_len:
+                yield document
+
+    def _rows(self, seed: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        rows = pack_rows(self._documents(generator), self.seq_len)
+        chosen = [next(rows) for _ in range(self.global_batch_size)]
+        return stack_rows(chosen) | image_columns(chosen, self.channels * self.patch_size**2)
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        batch = self._rows(self.seed * 1_000_033 + step)
+        return batch | {"index": step * self.global_batch_size + torch.arange(self.global_batch_size)}
+
+    def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
+        return [self._rows(HELDOUT_SEED + self.seed * 1_000_033 + b) for b in range(HELDOUT_BATCHES)]

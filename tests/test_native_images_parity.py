@@ -133,8 +133,9 @@ def train(rank, world_size, layouts, options):
 CASES = {
     "colocated vision dp2, llm cp2": (2, {"vision": {"dp": 2}, "llm": {"cp": 2}}, {}),
     "colocated vision dp2, llm tp2 (TP replicas each receive)": (2, {"vision": {"dp": 2}, "llm": {"tp": 2}}, {}),
-    "colocated vision dp4, llm tp2·cp2 with sequence parallelism": (
-        4, {"vision": {"dp": 4}, "llm": {"tp": 2, "cp": 2}}, {"llm": ParallelOptions(sequence_parallel=True)}),
+    "colocated vision dp4 (fsdp), llm tp2·cp2 with sequence parallelism": (
+        4, {"vision": {"dp": 4}, "llm": {"tp": 2, "cp": 2}},
+        {"vision": ParallelOptions(fsdp=True), "llm": ParallelOptions(sequence_parallel=True)}),
     "non-colocated vision dp2 (0-1), llm pp2 (2-3)": (4, {"vision": {"dp": 2}, "llm": {"pp": 2, "offset": 2}}, {}),
     "non-colocated vision tp2 (0-1), llm dp2 (2-3)": (4, {"vision": {"tp": 2, "dp": 1}, "llm": {"dp": 2, "offset": 2}}, {}),
 }

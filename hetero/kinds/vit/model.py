@@ -49,10 +49,15 @@ class EncoderAttention(nn.Module):
         self.wv = nn.Linear(config.hidden_size, config.hidden_size)
         self.wo = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask`` (..., seq, seq) bool: which patches each sees (packed images: its own image's)."""
+    def forward(self, x: torch.Tensor, images: list[int] | None = None) -> torch.Tensor:
+        """``images``: packed images' patch counts along the sequence; each patch attends to its own
+        image's, one image at a time (no cross-image scores computed). None: every patch to every one."""
         q, k, v = (split_heads(w(x), self.head_dim) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if images is None or len(images) <= 1:  # one image (or none): the whole sequence
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(*parts) for parts in
+                             zip(q.split(images, 2), k.split(images, 2), v.split(images, 2))], 2)
         return self.wo(merge_heads(out))
 
 
@@ -75,8 +80,8 @@ class EncoderBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = EncoderMLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), mask)
+    def forward(self, x: torch.Tensor, images: list[int] | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), images)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -130,8 +135,11 @@ class VisionEncoder(nn.Module):
         x = x + self.pos_embed
         return self.pre_norm(x) if self.pre_norm is not None else x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (batch, channels, H, W) on the first stage, hidden states on later ones."""
+    def forward(self, x: torch.Tensor, grids: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """Images (batch, channels, H, W) on the first stage, hidden states on later ones; with ``grids``,
+        images at their own sizes, packed (``forward_packed``)."""
+        if grids is not None:
+            return self.forward_packed(x, grids)
         if x.dim() == 4:
             x = self.embed(x)
         for block in self.layers.values():
@@ -158,21 +166,19 @@ class VisionEncoder(nn.Module):
 
     def forward_packed(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> torch.Tensor:
         """Images at their own sizes, packed: ``patches`` (total, channels * patch * patch), image after
-        image, each row-major over its ``grids`` entry (height, width in patches). Each patch attends
-        to its own image's only; returns (total, out_size)."""
+        image, each row-major over its ``grids`` entry (height, width in patches). Projections and MLPs
+        run on the whole packed sequence, attention image by image (no score between two images is
+        computed); a replica without images runs its blocks on none (FSDP2's gathers need every
+        replica). Returns (total, out_size). Call it through ``forward`` (``grids=``) where FSDP2's
+        hooks must run."""
         x = self.patch_embed(patches)
-        x = x + torch.cat([self.grid_positions(h, w) for h, w in grids])
+        if grids:
+            x = x + torch.cat([self.grid_positions(h, w) for h, w in grids])
         if self.pre_norm is not None:
             x = self.pre_norm(x)
-        mask = image_mask([h * w for h, w in grids], patches.device)
+        images = [h * w for h, w in grids]
         x = x[None]
         for block in self.layers.values():
-            x = block(x, mask)
+            x = block(x, images)
         return self.features(x[0])
 
-
-def image_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """(total, total) bool: each position sees the positions of its own segment (block-diagonal)."""
-    owner = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                    torch.tensor(lengths, device=device))
-    return owner[:, None] == owner[None, :]

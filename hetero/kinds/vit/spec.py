@@ -103,7 +103,7 @@ class ViTKind(Kind):
     def stage(self, model: VisionEncoder, step: StageStep) -> StageResult:
         if step.config.max_patches:
             grids = [tuple(g) for g in step.host["image_grid"].tolist()]
-            return StageResult(outputs={"embeddings": model.forward_packed(step.data["image_patches"], grids)})
+            return StageResult(outputs={"embeddings": model(step.data["image_patches"], grids)})
         out = model(step.data["images"] if step.mesh.is_first_stage else step.activation)
         if not step.mesh.is_last_stage:
             return StageResult(activation=out)

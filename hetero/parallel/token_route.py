@@ -88,28 +88,28 @@ class TokenRoute:
         coord = self.destination.coord(receiver)
         rows = request.destination_rows[coord.dp]
         held = self.held(receiver)
-        local_of = torch.full((int(held.max()) + 1 if len(held) else 1,), -1, dtype=torch.long)
-        local_of[held] = torch.arange(len(held))
+        local_of = torch.full((int(held.max()) + 1 if len(held) else 1,), -1, dtype=torch.long, device="cpu")
+        local_of[held] = torch.arange(len(held), device="cpu")
         chosen = torch.nonzero(torch.isin(request.row, rows)).flatten()
         parts = []
         for item in chosen.tolist():
             count, start = int(request.tokens[item]), int(request.start[item])
-            positions = torch.arange(start, start + count)
+            positions = torch.arange(start, start + count, device="cpu")
             inside = positions < len(local_of)
-            local = torch.full((count,), -1, dtype=torch.long)
+            local = torch.full((count,), -1, dtype=torch.long, device="cpu")
             local[inside] = local_of[positions[inside]]
             taken = torch.nonzero(local >= 0).flatten()
             if len(taken):
                 row = int(torch.nonzero(rows == request.row[item]).flatten()[0])
-                parts.append((item, taken, torch.full((len(taken),), row, dtype=torch.long), local[taken]))
+                parts.append((item, taken, torch.full((len(taken),), row, dtype=torch.long, device="cpu"), local[taken]))
         return parts
 
     def plan(self, request: TokenRequest) -> RankRoute:
-        where = {}  # item -> (replica, offset of its first token in that replica's output)
-        for replica, items in enumerate(request.source_items):
+        where = {}  # item -> (source replica, offset of its first token in that replica's output)
+        for holder, items in enumerate(request.source_items):
             offset = 0
             for item in items.tolist():
-                where[item] = (replica, offset)
+                where[item] = (holder, offset)
                 offset += int(request.tokens[item])
         replica = self.source.coord(self.rank).dp if self.is_source else None
         sends, recvs, grad_recvs = {}, {}, {}

@@ -31,9 +31,9 @@ class RoutedEdge:
 
         def held(rank: int) -> torch.Tensor:
             if sharding.seq_dim is None:
-                return torch.arange(length)
+                return torch.arange(length, device="cpu")
             spans = sequence_spans(length, whole, destination, destination.coord(rank))
-            return torch.cat([torch.arange(a, b) for a, b in spans])
+            return torch.cat([torch.arange(a, b, device="cpu") for a, b in spans])  # host-side plan
 
         self.length = length
         self.route = TokenRoute(edge.name, source, destination, functools.cache(held),

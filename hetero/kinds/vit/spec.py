@@ -67,8 +67,8 @@ class ViTKind(Kind):
             return super().host_columns(config, batch, keys, local)
         sizes = batch["image_grid"].cpu().prod(1)
         starts = sizes.cumsum(0) - sizes
-        patches = torch.cat([torch.arange(int(starts[i]), int(starts[i] + sizes[i])) for i in local.tolist()]
-                            or [torch.zeros(0, dtype=torch.long)])
+        patches = torch.cat([torch.arange(int(starts[i]), int(starts[i] + sizes[i]), device="cpu") for i in local.tolist()]
+                            or [torch.zeros(0, dtype=torch.long, device="cpu")])
         return {"image_patches": batch["image_patches"][patches], "image_grid": batch["image_grid"][local]}
 
     def batch_errors(self, module: str, config: ViTConfig, batch: dict[str, torch.Tensor]) -> list[str]:

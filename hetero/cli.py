@@ -53,6 +53,7 @@ BENCHMARKS = {
     "genezip": "hetero.bench.genezip",
     "hf-load": "hetero.bench.hf_load",
     "graph": "hetero.bench.graph",
+    "moe": "hetero.bench.moe",
     "overhead": "hetero.bench.overhead",
     "packing": "hetero.bench.packing",
     "plan-accuracy": "hetero.bench.plan_accuracy",

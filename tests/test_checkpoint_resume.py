@@ -83,3 +83,24 @@ def test_resume_under_new_layouts_reshards_and_matches(tmp_path):
     errors = [abs(resumed[s] - straight[s]) / abs(straight[s]) for s in range(5, 9)]
     print("relative loss errors after resharding, steps 5-8:", [f"{e:.1e}" for e in errors])
     assert max(errors) < 1e-5
+
+
+def test_resume_from_ep2_under_ep1_continues_the_run(tmp_path):
+    """moe_vlm's experts split over ep2, resumed at step 4 with every expert on every rank (ep1): each
+    rank's experts come out of the ep2 shards. Capacity-limited routing reports its dropped fraction."""
+    capacity = "llm.model.capacity_factor=1.0"
+    out = hetero_train(tmp_path, "straight", "moe_vlm", capacity)
+    (line,) = [line for line in out.splitlines() if line.startswith("step     4 | loss")]
+    assert "all_to_all.llm=" in line and "balance_loss" in line and "z_loss" in line, line
+    dropped = float(line.split("dropped ")[1].split("%")[0])
+    print("step 4:", line.split(" | ")[-1], f"(dropped {dropped}%)")
+    assert 0 < dropped < 50
+    checkpoint = tmp_path / "straight" / "moe_vlm" / "checkpoints" / "step_000004"
+    out = hetero_train(tmp_path, "resharded", "moe_vlm", capacity, "llm.layout.ep=1",
+                       f"train.checkpoint.resume={checkpoint}")
+    assert "weights and optimizer states were resharded" in out and "all_to_all.llm=" not in out
+    straight, resumed = losses(tmp_path, "straight", "moe_vlm"), losses(tmp_path, "resharded", "moe_vlm")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    errors = [abs(resumed[s] - straight[s]) / abs(straight[s]) for s in range(5, 9)]
+    print("relative loss errors after resuming ep2 -> ep1, steps 5-8:", [f"{e:.1e}" for e in errors])
+    assert max(errors) < 1e-5

@@ -253,6 +253,43 @@ CASES = {
         setter("train", {"checkpoint": {"every": -5}}),
         r"train\.checkpoint\.every=-5 and train\.checkpoint\.keep=2 must be >= 0",
     ),
+    "ep that does not divide dp": (
+        both(setter("llm.model.num_experts", 4), setter("llm.layout.ep", 4)),
+        r"llm\.layout\.ep=4 does not divide llm\.layout\.dp=2: experts are split over ep data-parallel replicas; "
+        r"choose ep from 1, 2 or raise dp",
+    ),
+    "ep that does not divide the experts": (
+        both(setter("llm.model.num_experts", 3), setter("llm.model.top_k", 1), setter("llm.layout.ep", 2)),
+        r"llm\.layout\.ep=2 does not divide llm\.model\.num_experts=3; choose ep from 1, 3",
+    ),
+    "ep without experts": (
+        setter("llm.layout.ep", 2),
+        r"llm\.layout\.ep=2: this gpt module has no experts to split .*; set llm\.model\.num_experts or remove "
+        r"llm\.layout\.ep",
+    ),
+    "ep on a vision encoder": (
+        setter("vision.layout.ep", 2),
+        r"vision\.layout\.ep=2: this vit module has no experts to split",
+    ),
+    "top_k above the expert count": (
+        both(setter("llm.model.num_experts", 2), setter("llm.model.top_k", 3)),
+        r"llm\.model\.top_k=3 must be in 1\.\.llm\.model\.num_experts=2",
+    ),
+    "an unknown gate": (
+        both(setter("llm.model.num_experts", 2), setter("llm.model.gate", "relu")),
+        r"llm\.model\.gate='relu' is not one of softmax, sigmoid",
+    ),
+    "experts under fsdp and ep": (
+        both(setter("llm.model.num_experts", 4), setter("llm.layout", {"dp": 4, "ep": 2}),
+             setter("llm.parallel", {"fsdp": True})),
+        r"llm\.parallel\.fsdp=true with experts runs at ep=1 and tp=1 \(got ep=2, tp=1\)",
+    ),
+    "a compressed sync under ep": (
+        both(setter("llm.model.num_experts", 4), setter("llm.layout.ep", 2),
+             setter("llm.compression", {"grad": {"method": "int8"}})),
+        r"llm\.layout\.ep=2: compressed gradient syncs and DiLoCo run over dp×cp, while experts sync over their own "
+        r"replicas; turn llm\.compression\.grad and llm\.compression\.diloco off or set ep=1",
+    ),
 }
 
 

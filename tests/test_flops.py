@@ -1,5 +1,7 @@
 """Model FLOPs (hetero.kinds.flops) against closed forms computed here and against torch's flop counter."""
 
+from dataclasses import replace
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -48,6 +50,17 @@ def test_gpt_flops_from_parameter_count_and_counter():
     assert counter.get_total_flops() == TRAINING_MULTIPLIER * matmuls
 
 
+def test_moe_flops_count_active_experts():
+    """A mixture of experts costs what a token goes through: its top_k experts and the shared ones, and
+    the router; torch's counter agrees on a dropless forward (every token takes top_k experts)."""
+    dense = GPTConfig(vocab_size=200, hidden_size=64, num_layers=2, num_heads=8, ffn_hidden_size=192, seq_len=48)
+    moe = replace(dense, num_experts=6, top_k=2, expert_ffn_size=64, shared_experts=1)
+    router = 2 * moe.hidden_size * moe.num_experts * moe.num_layers
+    assert gpt_forward_flops_per_token(moe) == gpt_forward_flops_per_token(dense) + router
+    tokens = torch.randint(0, moe.vocab_size, (3, moe.seq_len))
+    assert counted_forward_flops(GPT(moe), tokens) == 3 * moe.seq_len * gpt_forward_flops_per_token(moe)
+
+
 def test_vit_flops_from_parameter_count():
     config = ViTConfig(image_size=16, patch_size=4, channels=3, hidden_size=32, num_layers=3, num_heads=4,
                        feature_layer=-2, out_size=48)
@@ -60,3 +73,16 @@ def test_vit_flops_from_parameter_count():
     assert len(model.layers) == 2  # blocks after feature_layer never run and are not counted
     assert vit_forward_flops_per_image(config) == expected
     assert counted_forward_flops(model, torch.randn(2, 3, 16, 16)) == 2 * expected
+
+
+def test_planner_prices_experts_by_the_units_a_token_uses():
+    """The cost model computes a mixture of experts' active units (top_k + shared) and holds every expert's
+    weights: as a dense MLP of the active width for time, of all the experts' width for memory."""
+    from hetero.plan.cost import describe
+
+    moe = GPTConfig(vocab_size=200, hidden_size=64, num_layers=2, num_heads=8, seq_len=48, num_experts=6, top_k=2,
+                    expert_ffn_size=64, shared_experts=1)
+    view = describe("llm", "gpt", moe)
+    assert view.ffn == 3 * 64 and view.idle_ffn == 4 * 64
+    assert view.params == describe("llm", "gpt", replace(moe, num_experts=0, ffn_hidden_size=7 * 64)).params
+    assert view.model_flops_per_sample == TRAINING_MULTIPLIER * moe.seq_len * gpt_forward_flops_per_token(moe)

@@ -23,7 +23,8 @@ def expected_rows(config):
         for name in here:
             c = coords[name][rank]
             others = [o for o in here if o != name]
-            rows.append([str(rank), name, str(c["tp"]), str(c["cp"]), str(c["dp"]), str(c["pp"]),
+            ep = c["dp"] % modules[name]["layout"].get("ep", 1)  # experts split over neighbouring replicas
+            rows.append([str(rank), name, str(c["tp"]), str(c["cp"]), str(c["dp"]), str(ep), str(c["pp"]),
                          ",".join(others) or "-"])
     return rows, modules, world_size
 
@@ -45,7 +46,7 @@ def test_table_cells(config):
     rows, modules, world_size = expected_rows(config)
     lines = hetero("layout", config).splitlines()
     header = lines.index(next(line for line in lines if line.startswith("rank ")))
-    assert lines[header].split() == ["rank", "module", "tp", "cp", "dp", "pp", "colocated_with"]
+    assert lines[header].split() == ["rank", "module", "tp", "cp", "dp", "ep", "pp", "colocated_with"]
     table = [line.split() for line in lines[header + 1 :]]
     assert table == rows
     assert lines[0].startswith(f"experiment {config}: {world_size} ranks, placement ")
@@ -57,13 +58,21 @@ def test_json_cells(config):
     description = json.loads(hetero("layout", config, "--json"))
     assert description["world_size"] == world_size
     got = [
-        [str(r["rank"]), r["module"], str(r["tp"]), str(r["cp"]), str(r["dp"]), str(r["pp"]),
+        [str(r["rank"]), r["module"], str(r["tp"]), str(r["cp"]), str(r["dp"]), str(r["ep"]), str(r["pp"]),
          ",".join(r["colocated_with"]) or "-"]
         for r in description["ranks"]
     ]
     assert got == rows
     for name, module in modules.items():
         assert description["modules"][name]["kind"] == module["kind"]
+
+
+def test_expert_parallel_coordinates():
+    """moe_vlm's LLM at dp4·ep2: replicas 0,1 and 2,3 are its EP groups, holding experts (0,1) and (2,3)."""
+    description = json.loads(hetero("layout", "moe_vlm", "--json"))
+    assert description["modules"]["llm"]["ep"] == 2
+    assert [(r["dp"], r["ep"]) for r in description["ranks"] if r["module"] == "llm"] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert "llm" in hetero("layout", "moe_vlm") and " ep2 " in hetero("layout", "moe_vlm")
 
 
 def test_placement_modes():

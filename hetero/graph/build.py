@@ -36,6 +36,7 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
         errors += node.kind.errors(node.name, node.config, node.layout, node.options)
         errors += node.options.errors(node.name)
         errors += node.settings.compression.errors(node.name, node.layout.cp, node.options.fsdp)
+        errors += _expert_errors(node)
         width = getattr(node.config, "hidden_size", 0)
         errors += node.settings.compression.pipeline.errors(f"{node.name}.compression.pipeline", experiment.train.sample_reuse, width)
     errors += _batch_errors(experiment, placement)
@@ -47,6 +48,21 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
     _check_connected(nodes, edges)
     schedule = resolve_schedule(experiment, placement)
     return Graph(nodes, tuple(edges), order, placement, schedule)
+
+
+def _expert_errors(node: Node) -> list[str]:
+    """What ``layout.ep`` > 1 asks of a module beyond its kind's own checks."""
+    if node.layout.ep == 1:
+        return []
+    if not node.kind.expert_parallel(node.config):
+        return [f"{node.name}.layout.ep={node.layout.ep}: this {node.kind.name} module has no experts to split (a gpt "
+                f"module has them with model.num_experts > 0); set {node.name}.model.num_experts or remove "
+                f"{node.name}.layout.ep"]
+    if node.settings.compression.compresses:
+        return [f"{node.name}.layout.ep={node.layout.ep}: compressed gradient syncs and DiLoCo run over dp×cp, "
+                f"while experts sync over their own replicas; turn {node.name}.compression.grad and "
+                f"{node.name}.compression.diloco off or set ep=1"]
+    return []
 
 
 def _check_names(experiment: ExperimentConfig, registry: KindRegistry) -> None:

@@ -1,7 +1,8 @@
 """Model FLOPs of a training step, the figure MFU divides: Megatron's per-layer count.
 
 Every matmul costs 2·m·n·k; attention adds the score and value products over the whole s×s matrix
-(causal masking is not discounted, as in Megatron and PaLM); backward costs twice the forward, so a
+(causal masking is not discounted, as in Megatron and PaLM); a mixture of experts counts the experts a
+token goes through (active parameters) and its router; backward costs twice the forward, so a
 training step is 3× the forward. Recomputed activations are not counted again (model FLOPs, not
 hardware FLOPs). Modules without a closed form (GeneZip's dynamic chunking, the video generator) are
 counted by running one forward under ``torch.utils.flop_counter`` with attention included.
@@ -25,9 +26,16 @@ def gpt_forward_flops_per_token(config: GPTConfig, seq_len: int | None = None) -
     q_width, kv_width = config.num_heads * head_dim, config.kv_heads * head_dim
     projections = 2 * h * (q_width + 2 * kv_width) + 2 * q_width * h
     attention = 2 * 2 * s * q_width  # QK^T and attention·V, per query position
-    mlp = 2 * 3 * h * config.ffn_size  # SwiGLU: gate, up and down projections
+    mlp = 2 * 3 * h * active_ffn_size(config)  # SwiGLU: gate, up and down projections
+    if config.moe:
+        mlp += 2 * h * config.num_experts  # the router
     logits = 2 * h * config.vocab_size
     return config.num_layers * (projections + attention + mlp) + logits
+
+
+def active_ffn_size(config: GPTConfig) -> int:
+    """The SwiGLU units a token goes through in a layer: the MLP's, or its top_k and shared experts'."""
+    return config.expert_size * (config.top_k + config.shared_experts) if config.moe else config.ffn_size
 
 
 def vit_forward_flops_per_image(config: ViTConfig) -> float:

@@ -13,7 +13,8 @@ A kind is what the runtime needs to train a module of it, whatever graph it sits
 - ``stage(model, step)``: one microbatch on this rank's pipeline stage (``StageStep`` in,
   ``StageResult`` out): the activation for the next stage, or on the last stage its outputs, its loss
   as sums over the rows it holds, and in evaluation its metrics;
-- ``loss_count(batch, rows)``: the global divisor of those sums (rows, or supervised tokens).
+- ``loss_count(batch, rows)``: the global divisor of those sums (rows, or supervised tokens);
+- ``expert_parallel(config)``: whether its layout may take ``ep`` > 1 (experts split over DP replicas).
 
 User code registers its own kinds the same way (``registry.register(MyKind())``), or ships them as an
 entry point in the group ``hetero.kinds`` that ``default_registry()`` loads.
@@ -88,6 +89,8 @@ class StageStep:
     training: bool
     step: int  # the optimizer step (0-based)
     seed: int
+    loss_count: int = 1  # the global divisor the runtime applies to ``StageResult.loss`` (``Kind.loss_count``)
+    global_rows: int = 1  # the rows (or items) the module processes in the whole global batch
 
 
 @dataclass
@@ -105,7 +108,9 @@ class StageResult:
     activation: torch.Tensor | None = None  # to the next stage (every stage but the last)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # the last stage's, per port
     loss: torch.Tensor | None = None  # the last stage's loss: a sum over its rows
-    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # named terms of the loss, sums, to report
+    # named terms of the loss, sums (over the global divisor) to report; any stage may hold some (each TP
+    # group reports its own once), e.g. every stage's experts' auxiliary losses
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
     metrics: dict[str, Metric] = field(default_factory=dict)  # evaluation only
 
 
@@ -191,6 +196,10 @@ class Kind:
 
     def has_loss(self, config: Any) -> bool:
         return True
+
+    def expert_parallel(self, config: Any) -> bool:
+        """Whether the module's experts can be split over ``layout.ep`` replicas (its plan does it)."""
+        return False
 
     def loss_parts(self, config: Any) -> tuple[str, ...]:
         """Names of the terms ``stage`` reports besides the loss (``StageResult.parts``)."""

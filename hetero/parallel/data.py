@@ -201,3 +201,42 @@ def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     return local_grad(param)
+
+
+class GradSyncs:
+    """Several gradient syncs over disjoint parameters and groups, run as one (dense weights over dp×cp,
+    experts over their expert-data-parallel group): each starts, waits and writes in turn, every rank
+    alike."""
+
+    def __init__(self, syncs: list[AllReduceGradSync]):
+        self.syncs = syncs
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(sync.bytes_sent for sync in self.syncs)
+
+    def arm(self) -> None:
+        for sync in self.syncs:
+            sync.arm()
+
+    def flush(self) -> None:
+        for sync in self.syncs:
+            sync.flush()
+
+    def sync(self) -> None:
+        for sync in self.syncs:
+            sync.sync()
+
+    def discard(self) -> None:
+        for sync in self.syncs:
+            sync.discard()
+
+    def remove_hooks(self) -> None:
+        for sync in self.syncs:
+            sync.remove_hooks()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -1,8 +1,12 @@
-"""A module's parallel layout: TP, CP, DP, PP degrees over an ordered list of global ranks.
+"""A module's parallel layout: TP, CP, DP, PP degrees over an ordered list of global ranks, and EP.
 
 Ranks are laid out in Megatron's order: tp varies fastest, then cp, then dp, then pp, so TP peers are
 neighbouring ranks. Local index of a coordinate = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp,
-and the global rank is ``ranks[local index]``. Everything here is pure arithmetic: no process groups.
+and the global rank is ``ranks[local index]``. Expert parallelism splits the dp axis: ``dp = edp × ep``
+with ep the inner factor (a replica's EP coordinate is ``dp % ep``), so an EP group is ``ep`` replicas
+next to each other at one tp, cp and pp coordinate, and the replicas holding the same experts (the
+expert-data-parallel group, with the CP ranks) are ``ep`` replicas apart. Everything here is pure
+arithmetic: no process groups.
 """
 
 from __future__ import annotations
@@ -43,11 +47,14 @@ class Layout:
     dp: int
     pp: int
     ranks: tuple[int, ...]
+    ep: int = 1  # expert parallelism: a factor of dp
 
     def __post_init__(self) -> None:
         for axis in MESH_AXES:
             if getattr(self, axis) < 1:
                 raise ConfigError(f"layout.{axis}={getattr(self, axis)} must be >= 1")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ConfigError(f"layout.ep={self.ep} must be >= 1 and divide dp={self.dp}")
         if len(self.ranks) != self.size:
             raise ConfigError(
                 f"layout tp*cp*dp*pp = {self.tp}*{self.cp}*{self.dp}*{self.pp} = {self.size} "
@@ -117,6 +124,22 @@ class Layout:
                 return group
         return None
 
+    def expert_groups(self) -> list[tuple[int, ...]]:
+        """The EP groups: the ``ep`` neighbouring replicas (dp coordinates ``g·ep .. g·ep+ep-1``) at each
+        tp, cp and pp coordinate, in EP-coordinate order; an expert shard's tokens meet in one."""
+        return self._dp_groups(lambda dp: dp // self.ep, with_cp=False)
+
+    def expert_data_groups(self) -> list[tuple[int, ...]]:
+        """The ranks holding the same experts and other tokens (every ``ep``-th replica, with the CP ranks)
+        at each tp and pp coordinate: where expert gradients are summed."""
+        return self._dp_groups(lambda dp: dp % self.ep, with_cp=True)
+
+    def _dp_groups(self, key, with_cp: bool) -> list[tuple[int, ...]]:
+        groups: dict[tuple, list[int]] = {}
+        for rank, c in self.coords():
+            groups.setdefault((c.pp, key(c.dp), c.tp) + (() if with_cp else (c.cp,)), []).append(rank)
+        return [tuple(members) for _, members in sorted(groups.items())]
+
     def describe_ranks(self) -> str:
         return format_ranks(self.ranks)
 
@@ -151,6 +174,7 @@ class LayoutSpec:
     cp: int = 1
     dp: int | None = None
     pp: int = 1
+    ep: int = 1  # expert parallelism: experts split over ep neighbouring DP replicas (a factor of dp)
     offset: int = 0
     size: int | None = None
     ranks: list[int] | None = None
@@ -194,7 +218,12 @@ class LayoutSpec:
                     f"{field}: ranks {format_ranks(outside)} are outside the world of {world_size} "
                     f"ranks (0-{world_size - 1}); use ranks below {world_size} or raise world_size"
                 )
-        return Layout(tp=self.tp, cp=self.cp, dp=dp, pp=self.pp, ranks=tuple(ranks))
+        if self.ep < 1 or dp % self.ep:
+            raise ConfigError(
+                f"{field}.ep={self.ep} does not divide {field}.dp={dp}: experts are split over ep data-parallel "
+                f"replicas; choose ep from {', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)} or raise dp"
+            )
+        return Layout(tp=self.tp, cp=self.cp, dp=dp, pp=self.pp, ranks=tuple(ranks), ep=self.ep)
 
     def _rank_list(self, field: str, world_size: int | None) -> list[int]:
         if self.ranks is not None:

@@ -30,8 +30,9 @@ class ModuleMesh:
     layout: Layout
     coord: Coord
     mesh: DeviceMesh  # dims named ("pp", "dp", "cp", "tp"), tp innermost
-    groups: dict[str, dist.ProcessGroup]  # "tp", "cp", "dp", "pp", "dp_cp"; "grad_sync" (dp·cp > 1); STAGE_GROUPS (pp > 1)
+    groups: dict[str, dist.ProcessGroup]  # "tp", "cp", "dp", "pp", "dp_cp"; "grad_sync" (dp·cp > 1); STAGE_GROUPS (pp > 1); EXPERT_GROUPS (ep > 1)
     group_ranks: dict[str, tuple[int, ...]]  # global ranks of each group, in group-rank order
+    expert_mesh: DeviceMesh | None = None  # the EP group as a 1-D mesh named "ep" (ep > 1): experts' DTensors
 
     def group(self, kind: str) -> dist.ProcessGroup:
         return self.groups[kind]
@@ -46,6 +47,9 @@ class ModuleMesh:
 
 
 STAGE_GROUPS = ("stage_activations", "stage_gradients")  # the pipeline's traffic, one group per direction
+# Expert parallelism's groups: the tokens' all-to-all, and the sum of expert gradients over the ranks
+# that hold the same experts (``Layout.expert_groups`` / ``expert_data_groups``), each of its own.
+EXPERT_GROUPS = ("ep", "expert_sync")
 
 
 def resolve_backend(backend: str) -> str:
@@ -144,6 +148,12 @@ def build_module_meshes(
                 group = dist.new_group(list(members), timeout=timeout, sort_ranks=False)
                 if rank in members:
                     mine["grad_sync"], mine_ranks["grad_sync"] = group, members
+        if layout.ep > 1:
+            for kind, groups in zip(EXPERT_GROUPS, (layout.expert_groups(), layout.expert_data_groups())):
+                for members in groups:
+                    group = dist.new_group(list(members), timeout=timeout, sort_ranks=False)
+                    if rank in members:
+                        mine[kind], mine_ranks[kind] = group, members
         coord = layout.coord(rank)
         if coord is None:
             continue
@@ -153,5 +163,7 @@ def build_module_meshes(
             mesh=torch.tensor(layout.ranks, device="cpu").reshape(layout.shape),
             mesh_dim_names=MESH_AXES,
         )
-        meshes[name] = ModuleMesh(name, layout, coord, mesh, mine, mine_ranks)
+        expert_mesh = (DeviceMesh.from_group(mine["ep"], device_type, mesh=list(mine_ranks["ep"]), mesh_dim_names=("ep",))
+                       if layout.ep > 1 else None)
+        meshes[name] = ModuleMesh(name, layout, coord, mesh, mine, mine_ranks, expert_mesh)
     return meshes

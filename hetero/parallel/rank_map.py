@@ -1,4 +1,9 @@
-"""The rank map of an experiment: which module runs where, at which grid coordinate."""
+"""The rank map of an experiment: which module runs where, at which grid coordinate.
+
+Ranks follow Megatron's order: tp fastest, then cp, then dp, then pp. Expert parallelism splits dp
+(``dp = edp × ep``, ep inner): the ``ep`` column is a replica's EP coordinate (``dp % ep``), which names
+the experts it holds; the ranks of one EP group share ``dp // ep``.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,14 @@ from hetero.config import ExperimentConfig
 from hetero.parallel.layout import MESH_AXES, format_ranks
 from hetero.parallel.placement import Placement
 
-COLUMNS = ("rank", "module", "tp", "cp", "dp", "pp", "colocated_with")
+COLUMNS = ("rank", "module", "tp", "cp", "dp", "ep", "pp", "colocated_with")
 
 
 def rank_map(experiment: ExperimentConfig, placement: Placement) -> dict[str, Any]:
     """A JSON-ready description of the placement: modules and one row per (rank, module)."""
     modules = {
         name: {"kind": experiment.modules[name].kind}
-        | {axis: getattr(layout, axis) for axis in ("tp", "cp", "dp", "pp")}
+        | {axis: getattr(layout, axis) for axis in ("tp", "cp", "dp", "ep", "pp")}
         | {"ranks": list(layout.ranks)}
         for name, layout in placement.layouts.items()
     }
@@ -28,6 +33,7 @@ def rank_map(experiment: ExperimentConfig, placement: Placement) -> dict[str, An
             rows.append(
                 {"rank": rank, "module": name}
                 | coord._asdict()
+                | {"ep": coord.dp % placement.layouts[name].ep}
                 | {"colocated_with": [other for other in here if other != name]}
             )
     return {
@@ -49,6 +55,7 @@ def format_rank_map(description: dict[str, Any]) -> str:
     kind_width = max(len(module["kind"]) for module in description["modules"].values())
     for name, module in description["modules"].items():
         degrees = " ".join(f"{axis}{module[axis]}" for axis in reversed(MESH_AXES))
+        degrees += f" ep{module['ep']}" if module["ep"] > 1 else ""
         lines.append(f"  {name:<12} {module['kind']:<{kind_width}} {degrees}  ranks {format_ranks(module['ranks'])}")
     lines.append("")
     table = [list(COLUMNS)]

@@ -21,7 +21,8 @@ from hetero.parallel.compression.build import build_diloco, build_grad_sync
 from hetero.parallel.compression.collective import Collective, GroupCollective
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.diloco import DiLoCo
-from hetero.parallel.data import AllReduceGradSync, GradSync
+from hetero.parallel.data import AllReduceGradSync, GradSync, GradSyncs
+from hetero.parallel.expert_parallel import is_expert_weight
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import REDUCE_DTYPES, ParallelOptions
 
@@ -52,8 +53,17 @@ class ReplicaSync:
         elif self.replicas > 1 and not options.fsdp:
             comm = GroupCollective(mesh.group("grad_sync"))  # type: ignore[union-attr]
             bucket_bytes = int(options.grad_bucket_mb * 2**20)
-            self.grad_sync = build_grad_sync(self.compression.grad, model.named_parameters(), comm, bucket_bytes, seed,
-                                             REDUCE_DTYPES[options.reduce_precision], before_launch)
+            reduce_dtype = REDUCE_DTYPES[options.reduce_precision]
+            named = list(model.named_parameters())
+            dense = [(n, p) for n, p in named if not is_expert_weight(p)]
+            self.grad_sync = build_grad_sync(self.compression.grad, dense, comm, bucket_bytes, seed, reduce_dtype,
+                                             before_launch)
+            experts = [(n, p) for n, p in named if is_expert_weight(p)]
+            if experts and len(mesh.group_ranks["expert_sync"]) > 1:  # type: ignore[union-attr]
+                # Experts' gradients sum over the replicas holding the same experts, in their own buckets.
+                expert_sync = AllReduceGradSync(experts, mesh.group("expert_sync"), bucket_bytes, reduce_dtype,  # type: ignore[union-attr]
+                                                before_launch)
+                self.grad_sync = GradSyncs([self.grad_sync, expert_sync])
 
     @property
     def bytes_sent(self) -> int:
@@ -85,7 +95,7 @@ class ReplicaSync:
 
     def close(self) -> None:
         """Detach from the model (a fresh sync replaces this one)."""
-        if isinstance(self.grad_sync, AllReduceGradSync):
+        if isinstance(self.grad_sync, (AllReduceGradSync, GradSyncs)):
             self.grad_sync.remove_hooks()
 
     def after_step(self) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from hetero.kinds.flops import (
     TRAINING_MULTIPLIER,
+    active_ffn_size,
     gpt_forward_flops_per_token,
     projector_forward_flops_per_image,
     vit_forward_flops_per_image,
@@ -49,6 +50,7 @@ class Transformer:
     projector: bool = True  # vit: an MLP projector (in to out_width) after the layers
     positions: bool = True  # vit: learned position embeddings (a projector of its own has none)
     model_flops_per_sample: float = 0.0  # training FLOPs (MFU convention), from hetero.kinds.flops
+    idle_ffn: int = 0  # gpt with experts: the units of the experts a token skips (memory, no compute); ffn is the active ones
 
     @property
     def head_dim(self) -> int:
@@ -58,7 +60,7 @@ class Transformer:
     def layer_params(self) -> int:
         d = self.head_dim
         attention = self.hidden * (self.heads + 2 * self.kv_heads) * d + self.heads * d * self.hidden
-        mlp = (3 if self.kind == "gpt" else 2) * self.hidden * self.ffn
+        mlp = (3 if self.kind == "gpt" else 2) * self.hidden * (self.ffn + self.idle_ffn)
         return attention + mlp
 
     @property
@@ -78,10 +80,12 @@ def describe(name: str, kind: str, config: GPTConfig | ViTConfig, seq_len: int |
     """The cost model's view of a module of ``kind`` (gpt at context ``seq_len`` if given, or vit)."""
     if kind == "gpt":
         seq = seq_len or config.seq_len
+        active = active_ffn_size(config)
         return Transformer(
             name, "gpt", config.num_layers, config.hidden_size, config.num_heads, config.kv_heads,
-            config.ffn_size, seq, vocab=config.vocab_size,
+            active, seq, vocab=config.vocab_size,
             model_flops_per_sample=TRAINING_MULTIPLIER * seq * gpt_forward_flops_per_token(config, seq),
+            idle_ffn=config.expert_size * config.num_experts - config.expert_size * config.top_k if config.moe else 0,
         )
     if kind == "vit":
         return Transformer(

@@ -6,7 +6,8 @@ stage's activation; it sends a later stage's input on, or keeps a last stage's o
 backpropagates the loss (scaled by the module's ``loss_weight`` over the global count) and the gradients
 the outgoing edges returned (``EB`` before it), then hands the input's gradient to the previous stage or
 keeps the incoming edges' for their ``EB``. A replica with no rows in a microbatch skips its stage there
-(all its stages agree), unless its module runs FSDP2, whose collectives need every replica.
+(all its stages agree), unless its module runs FSDP2 or expert parallelism, whose collectives need every
+replica.
 
 ``EF``/``EB`` go through the edge's ``RuntimeEdge``: a ``Boundary`` from the source's last stage to the
 destination's first, and a ``CompressedBoundary`` beside it when the edge has a ``compression:`` block
@@ -54,7 +55,8 @@ class Executor:
         self.saved: dict[tuple[str, int], tuple[torch.Tensor | None, StageResult]] = {}  # for B (training)
         self.outputs: dict[tuple[str, int], StageResult] = {}  # last stages' results, until their edges sent them
         self.output_grads: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
-        self.results: dict[str, list[StageResult]] = defaultdict(list)  # last stages' results, for the step's end
+        # last stages' results and earlier stages' loss parts, for the step's end
+        self.results: dict[str, list[StageResult]] = defaultdict(list)
         self.handlers = {"F": self.forward, "B": self.backward, "EF": self.edge_forward, "EB": self.edge_backward}
         self.trace = runtime.trace if training else None
 
@@ -74,7 +76,10 @@ class Executor:
         return self.rows.local(name, m, self.runtime.modules[name].mesh.coord.dp)
 
     def _skips(self, name: str, local: torch.Tensor) -> bool:
-        return len(local) == 0 and not self.graph.nodes[name].options.fsdp
+        """A replica without rows sits the microbatch out, unless its collectives need every replica:
+        FSDP2's gathers, expert parallelism's all-to-alls."""
+        node = self.graph.nodes[name]
+        return len(local) == 0 and not node.options.fsdp and node.layout.ep == 1
 
     # ------------------------------------------------------------------------------------ modules
 
@@ -98,7 +103,8 @@ class Executor:
             received = received.detach().requires_grad_(self.training)
         step = StageStep(node.config, mesh, node.options, module.device, data,
                          host, local, self.arrivals.pop((name, m), []) if mesh.is_first_stage else [], received,
-                         self.training, self.step, self.runtime.seed)
+                         self.training, self.step, self.runtime.seed, self.counts.get(name, 1),
+                         len(self.rows.all(name)))
         autocast = torch.autocast(module.device.type, dtype=torch.bfloat16, enabled=node.options.precision == "bf16")
         with self._traced(name, "compute"), self.runtime.timer.timed(name), node.kind.compute(mesh), \
                 torch.set_grad_enabled(self.training), autocast:
@@ -107,6 +113,8 @@ class Executor:
             self.saved[(name, m)] = (received, result)
         if not mesh.is_last_stage:
             self.runtime.links[name].send_activation(m, result.activation.detach())
+            if result.parts:
+                self.results[name].append(StageResult(parts=result.parts))
         else:
             self.results[name].append(result)
             if self.graph.out_edges(name):

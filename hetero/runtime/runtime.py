@@ -187,13 +187,18 @@ class Runtime:
                 for part in ("loss", *node.kind.loss_parts(node.config))]
 
     def _loss_sums(self, executor: Executor) -> torch.Tensor:
-        """This rank's share of every module's loss and loss parts (sums over rows; reporting ranks only)."""
+        """This rank's share of every module's loss and loss parts (sums over rows): the loss from the
+        reporting ranks, parts from TP rank 0 of every stage that holds some."""
         keys = self._loss_keys()
         sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         for i, (name, part) in enumerate(keys):
-            if name in self.modules and self._reporting(name):
-                for result in executor.results[name]:
-                    sums[i] += _local(result.loss if part == "loss" else result.parts[part]).double()
+            if name not in self.modules or self.modules[name].mesh.coord.tp != 0:
+                continue
+            for result in executor.results[name]:
+                if part == "loss" and self._reporting(name):
+                    sums[i] += _local(result.loss).double()
+                elif part != "loss" and part in result.parts:
+                    sums[i] += _local(result.parts[part]).double()
         return sums
 
     def _loss_counts(self, executor: Executor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hetero.config import ExperimentConfig
 from hetero.graph import Graph, build_graph
+from hetero.kinds.gpt.moe import MoEFeedForward
 from hetero.kinds.registry import KindRegistry
 from hetero.parallel.mesh import init_distributed
 from hetero.runtime import Runtime, build_runtime
@@ -109,7 +110,8 @@ def _loop(job: Job, start: int) -> dict[str, float]:
             _skipped(job, step)
         if step % cfg.log_every == 0 or step == cfg.steps:
             speed = {"samples_per_s": experiment.batch.global_batch_size / seconds, "step_s": seconds}
-            log.progress(step, metrics | speed | _residuals(runtime) | _compensation(runtime), communicator_bytes(runtime))
+            log.progress(step, metrics | speed | _residuals(runtime) | _compensation(runtime) | expert_routing(runtime),
+                         communicator_bytes(runtime))
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             with guard.step(f"evaluation at step {step}"):
                 evaluated = evaluate(runtime, heldout, cfg.eval_batches)
@@ -160,9 +162,49 @@ def communicator_bytes(runtime: Runtime) -> dict[str, int]:
         names.append(f"grad_sync.{name}")
         module = runtime.modules.get(name)
         local.append(module.replica_sync.bytes_sent if module is not None else 0)
+    for name, node in runtime.graph.nodes.items():
+        if node.layout.ep > 1:
+            names.append(f"all_to_all.{name}")
+            module = runtime.modules.get(name)
+            local.append(sum(moe.dispatch.bytes_sent for _, moe in _moe_layers(module)) if module is not None else 0)
     totals = torch.tensor(local, dtype=torch.float64, device=runtime.device)
     dist.all_reduce(totals)
     return {name: int(value) for name, value in zip(names, totals.tolist())}
+
+
+def _moe_layers(module) -> list[tuple[int, MoEFeedForward]]:
+    """(global layer index, layer) of every mixture-of-experts layer of a module on this rank."""
+    return [(int(name.split(".")[1]), layer) for name, layer in module.model.named_modules()
+            if isinstance(layer, MoEFeedForward)]
+
+
+def expert_routing(runtime: Runtime) -> dict[str, float]:
+    """Per module with experts, over the training steps since the last call: the per-expert load (the
+    tokens of the busiest expert over the mean, the worst layer's) and the fraction of top-k assignments
+    dropped for capacity. Each TP group's count once (its ranks route the same tokens)."""
+    modules = {name: node.config for name, node in runtime.graph.nodes.items() if getattr(node.config, "moe", False)}
+    if not modules:
+        return {}
+    tables = {name: torch.zeros(config.num_layers, config.num_experts + 2, dtype=torch.float64, device=runtime.device)
+              for name, config in modules.items()}
+    for name, table in tables.items():
+        module = runtime.modules.get(name)
+        if module is None:
+            continue
+        for index, layer in _moe_layers(module):
+            if module.mesh.coord.tp == 0:
+                table[index] = torch.cat([layer.load, layer.assigned[None], layer.dropped[None]]).to(table.device)
+            layer.load, layer.assigned, layer.dropped = (torch.zeros_like(t) for t in (layer.load, layer.assigned, layer.dropped))
+    totals = torch.cat([table.flatten() for table in tables.values()])
+    dist.all_reduce(totals)
+    out = {}
+    for (name, config), table in zip(modules.items(), totals.split([t.numel() for t in tables.values()])):
+        table = table.view(config.num_layers, config.num_experts + 2)
+        load = table[:, : config.num_experts]
+        busiest = (load.max(1).values / load.mean(1).clamp(min=1e-30)).max()
+        out[f"expert_load.{name}"] = float(busiest)
+        out[f"expert_dropped.{name}"] = float(table[:, -1].sum() / table[:, -2].sum().clamp(min=1))
+    return out
 
 
 def module_seconds(runtime: Runtime) -> dict[str, float]:

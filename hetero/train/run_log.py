@@ -57,6 +57,10 @@ class RunLog:
         residuals = " ".join(f"{k}={v:.3g}" for k, v in metrics.items() if k.startswith("ef_residual.") and v)
         if metrics.get("ec_memory_bytes"):
             residuals += f" ec_memory={_bytes(metrics['ec_memory_bytes'])}"
+        for key in (k for k in metrics if k.startswith("expert_load.")):
+            name = key.removeprefix("expert_load.")
+            residuals += (f" {name} experts max/mean {metrics[key]:.2f}, dropped "
+                          f"{metrics[f'expert_dropped.{name}']:.1%}")
         fields = [f"step {step:5d}", f"loss {metrics['loss']:.4f}{_module_losses(metrics)}",
                   f"{metrics['samples_per_s']:7.1f} samples/s", f"{metrics['step_s'] * 1e3:7.1f} ms",
                   f"grad norm {metrics['grad_norm']:.3f}", traffic, residuals.strip()]

@@ -10,6 +10,7 @@ from hetero.parallel.options import ParallelOptions
 
 
 ROPE_SCALINGS = ("none", "llama3", "yarn")
+GATES = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -44,6 +45,17 @@ class GPTConfig:
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys before RoPE (Qwen3)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Mixture of experts (``moe.py``): num_experts > 0 replaces every layer's MLP by top_k of num_experts
+    # SwiGLU experts (expert_ffn_size wide) chosen per token, plus shared_experts that every token uses.
+    num_experts: int = 0
+    top_k: int = 2
+    expert_ffn_size: int | None = None  # default ffn_size
+    shared_experts: int = 0
+    gate: str = "softmax"  # the router's scores: softmax over experts, or each expert's sigmoid
+    normalize_gates: bool = False  # rescale the chosen top_k scores to sum to 1
+    balance_loss: float = 0.0  # coefficient of the per-row load-balancing loss
+    router_z_loss: float = 0.0  # coefficient of the router z-loss (logsumexp of the logits, squared)
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most ceil(factor·tokens·top_k/experts)
 
     @property
     def kv_heads(self) -> int:
@@ -56,6 +68,14 @@ class GPTConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def expert_size(self) -> int:
+        return self.expert_ffn_size or self.ffn_size
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     def errors(self, module: str, layout: Layout, options: ParallelOptions | None = None) -> list[str]:
         """Everything about this model that ``layout`` (and ``options``) cannot run; empty when fine."""
@@ -87,6 +107,7 @@ class GPTConfig:
                 f"{module}.model.num_kv_heads={self.kv_heads} does not divide "
                 f"{module}.model.num_heads={self.num_heads}"
             )
+        errors += self._moe_errors(module, layout, options)
         return errors + transformer_layout_errors(
             module,
             layout,
@@ -100,3 +121,23 @@ class GPTConfig:
             sequence_parallel=options is not None and options.sequence_parallel,
             fsdp=options is not None and options.fsdp,
         )
+
+    def _moe_errors(self, module: str, layout: Layout, options: ParallelOptions | None) -> list[str]:
+        field = f"{module}.model"
+        if not self.moe:
+            return []  # ep > 1 without experts: the graph's check names it
+        errors = []
+        if not 1 <= self.top_k <= self.num_experts:
+            errors.append(f"{field}.top_k={self.top_k} must be in 1..{field}.num_experts={self.num_experts}")
+        if self.gate not in GATES:
+            errors.append(f"{field}.gate={self.gate!r} is not one of {', '.join(GATES)}")
+        for name in ("shared_experts", "balance_loss", "router_z_loss", "capacity_factor"):
+            if getattr(self, name) < 0:
+                errors.append(f"{field}.{name}={getattr(self, name)} must be >= 0")
+        if self.num_experts % layout.ep:
+            errors.append(f"{module}.layout.ep={layout.ep} does not divide {field}.num_experts={self.num_experts}; "
+                          f"choose ep from {', '.join(str(d) for d in range(1, self.num_experts + 1) if self.num_experts % d == 0)}")
+        if options is not None and options.fsdp and (layout.ep > 1 or layout.tp > 1):
+            errors.append(f"{module}.parallel.fsdp=true with experts runs at ep=1 and tp=1 (got ep={layout.ep}, "
+                          f"tp={layout.tp}); turn fsdp off or set ep=1 and tp=1")
+        return errors

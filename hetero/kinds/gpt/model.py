@@ -1,4 +1,4 @@
-"""Decoder-only GPT (RoPE, RMSNorm, SwiGLU MLP)."""
+"""Decoder-only GPT (RoPE, RMSNorm, SwiGLU MLP or a mixture of SwiGLU experts)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 from hetero.kernels.attention import CausalAttention, merge_heads, split_heads
 from hetero.kernels.documents import Documents
 from hetero.kinds.gpt.config import GPTConfig, RopeScaling
+from hetero.kinds.gpt.moe import Experts, MoEFeedForward, SwiGLU
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
@@ -94,30 +95,19 @@ class Attention(nn.Module):
         return self.wo(merge_heads(out))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.w1 = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
-        self.w3 = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
-        self.w2 = nn.Linear(config.ffn_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MoEFeedForward(config) if config.moe else SwiGLU(config.hidden_size, config.ffn_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: Documents | None = None) -> torch.Tensor:
+                documents: Documents | None = None, aux_scale: float | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, documents)
+        if isinstance(self.feed_forward, MoEFeedForward):
+            return x + self.feed_forward(self.ffn_norm(x), aux_scale)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -144,6 +134,9 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, Experts):
+                for weight in (module.w1, module.w3, module.w2):
+                    nn.init.normal_(weight, std=0.02)
 
     def forward(
         self,
@@ -152,6 +145,7 @@ class GPT(nn.Module):
         return_hidden: bool = False,
         inserts: Sequence[tuple[int, torch.Tensor, torch.Tensor]] = (),
         documents: Documents | None = None,
+        aux_scale: float | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token ids (batch, seq) or embeddings (batch, seq, hidden) on the first stage, hidden states on
         later stages.
@@ -162,7 +156,8 @@ class GPT(nn.Module):
         positions then restart per document). ``inserts``: other modules'
         embeddings, each ``(index, values, rows)``, replacing local positions ``index`` of rows ``rows``
         of the token embeddings (placeholders). ``return_hidden``: also return the final
-        (normed) hidden states, e.g. for a module conditioned on them.
+        (normed) hidden states, e.g. for a module conditioned on them. ``aux_scale``: with experts, the
+        factor their auxiliary losses join the backward with (``moe.py``; None leaves them out).
         """
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
@@ -175,7 +170,7 @@ class GPT(nn.Module):
         for index, values, rows in inserts:
             h = place_rows(h, index, values, rows)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, documents)
+            h = layer(h, cos, sin, documents, aux_scale)
         if self.norm is not None:
             h = self.norm(h)
         out = self.output(h) if self.output is not None else h

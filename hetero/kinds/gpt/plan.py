@@ -1,6 +1,11 @@
-"""Apply a module's layout to a GPT (torchtitan style): pipeline split, TP/SP, CP, activation
+"""Apply a module's layout to a GPT (torchtitan style): pipeline split, TP/SP, CP, EP, activation
 checkpointing, and FSDP2 when asked. Without FSDP2 the runtime synchronizes gradients over dp×cp itself
-with a ``GradSync``.
+with a ``GradSync`` (experts' over their expert-data-parallel group).
+
+Experts under TP: attention splits its heads over TP as in a dense block, while the mixture of experts
+runs whole on every TP rank, on the same tokens (under sequence parallelism it gathers the sequence
+first and keeps its part of the output). Its weights are plain on the TP group and their gradients
+equal on every TP rank; the price is TP-fold expert compute and all-to-all traffic.
 """
 
 from __future__ import annotations
@@ -10,14 +15,17 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from hetero.kinds.gpt.model import GPT
+from hetero.kinds.gpt.moe import MoEFeedForward
 from hetero.parallel.blocks import keep_stage_layers, wrap_blocks
 from hetero.parallel.context import ContextParallelAttention
+from hetero.parallel.expert_parallel import ExpertAllToAll, shard_experts
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 
@@ -32,21 +40,25 @@ def keep_stage(model: GPT, stage: int, num_stages: int) -> None:
         model.output = None
 
 
-def block_plan(sequence_parallel: bool = False, qk_norm: bool = False) -> dict[str, nn.Module]:
+def block_plan(sequence_parallel: bool = False, qk_norm: bool = False, experts: bool = False) -> dict[str, nn.Module]:
     """TP plan of a GPT ``Block``: heads and SwiGLU units split, the output projections reduce (into a
     sequence-sharded residual stream under sequence parallelism). The per-head norms of q and k see
     this rank's heads (dim 1 of (batch, heads, seq, head_dim)): their weights are replicated and their
-    gradients partial sums over the TP group, reduced with the other partial gradients."""
+    gradients partial sums over the TP group, reduced with the other partial gradients. ``experts``: the
+    block's MLP is a mixture of experts, which runs whole on every TP rank (the module docstring)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, nn.Module] = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
+    if not experts:
+        plan |= {
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        }
     if qk_norm:
         plan |= {"attention.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
                  "attention.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True)}
@@ -59,6 +71,10 @@ def block_plan(sequence_parallel: bool = False, qk_norm: bool = False) -> dict[s
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         }
+        if experts:
+            plan["feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
     return plan
 
 
@@ -76,7 +92,7 @@ def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool)
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, model.config.qk_norm))
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, model.config.qk_norm, model.config.moe))
     if model.config.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # same Shard(0) placement: re-tie the DTensor
 
@@ -90,5 +106,22 @@ def parallelize_gpt(model: GPT, mesh: ModuleMesh, options: ParallelOptions) -> G
     if layout.cp > 1:
         for block in model.layers.values():
             block.attention.core = ContextParallelAttention(mesh.group("cp"), layout.cp, coord.cp, options.cp_attention)
+    if model.config.moe:
+        apply_expert_parallel(model, mesh)
     wrap_blocks(model, model.layers, mesh, options)
     return model
+
+
+def apply_expert_parallel(model: GPT, mesh: ModuleMesh) -> None:
+    """Each MoE layer's experts split over the EP group with an all-to-all dispatch (ep > 1), and its
+    balance loss counting whole rows over the CP group (cp > 1)."""
+    layout = mesh.layout
+    for block in model.layers.values():
+        moe = block.feed_forward
+        assert isinstance(moe, MoEFeedForward)
+        if layout.cp > 1:
+            moe.row_group = mesh.group("cp")
+        if layout.ep > 1:
+            assert mesh.expert_mesh is not None
+            shard_experts(moe.experts, mesh.expert_mesh)
+            moe.dispatch = ExpertAllToAll(mesh.group("ep"), layout.ep, mesh.coord.dp % layout.ep, model.config.num_experts)

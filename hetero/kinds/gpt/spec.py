@@ -9,7 +9,10 @@ positions, trained on next-token cross-entropy.
   of the rows it carries (under CP and SP each rank the positions it holds);
 - output ``hidden`` (``seq_len`` × ``hidden_size``): the final (normed) hidden states of its rows, e.g. a
   generator's condition (under CP and SP each rank's part of the sequence);
-- loss: the cross-entropy summed over the tokens a rank holds, over the global count of supervised tokens.
+- loss: the cross-entropy summed over the tokens a rank holds, over the global count of supervised tokens;
+  with experts (``num_experts`` > 0) also their auxiliary losses, means over every token of the global
+  batch (``moe.py``), reported as the parts ``balance_loss`` and ``z_loss`` beside the loss (not in it),
+  from every pipeline stage.
 
 Under context parallelism each rank holds the zigzag chunks of its CP coordinate (tokens, labels and
 their absolute positions); under TP the loss is computed vocab-parallel (``loss_parallel``).
@@ -25,9 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hetero.data.digits import IGNORE_INDEX
+from hetero.errors import ConfigError
 from hetero.kernels.documents import Documents, document_errors
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.kinds.gpt.moe import MoEFeedForward
 from hetero.kinds.gpt.plan import parallelize_gpt
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
 from hetero.parallel.context import split_for_cp, zigzag_indices
@@ -42,6 +47,12 @@ class GPTKind(Kind):
 
     def build(self, config: GPTConfig) -> GPT:
         return GPT(config)
+
+    def expert_parallel(self, config: GPTConfig) -> bool:
+        return config.moe
+
+    def loss_parts(self, config: GPTConfig) -> tuple[str, ...]:
+        return ("balance_loss", "z_loss") if config.moe else ()
 
     def parallelize(self, model, mesh, options):
         return parallelize_gpt(model, mesh, options)
@@ -60,6 +71,8 @@ class GPTKind(Kind):
         from hetero.interop.hf_checkpoint import HFExport
         from hetero.kinds.gpt.hf import hf_config, weight_names
 
+        if config.moe:
+            raise ConfigError("gpt modules with experts (model.num_experts > 0) export no Hugging Face checkpoints yet")
         return HFExport(source.config if source is not None else hf_config(config), weight_names(config))
 
     def load_pretrained(self, model, path):
@@ -124,18 +137,34 @@ class GPTKind(Kind):
         positions = held if documents is None else documents.positions()[:, held]
         x = tokens if mesh.is_first_stage else step.activation
         inserts = [(arrival.index, arrival.tensor, arrival.positions) for arrival in step.inputs]
+        # The experts' auxiliary losses are means over every token of the global batch; reported as sums
+        # over the runtime's divisor, like the loss.
+        aux_scale = 1.0 / (step.global_rows * seq_len) if step.config.moe else None
+        report = step.loss_count * aux_scale if aux_scale is not None else 0.0
         if not mesh.is_last_stage:
-            return StageResult(activation=model(x, positions, inserts=inserts, documents=documents))
-        logits, hidden = model(x, positions, return_hidden=True, inserts=inserts, documents=documents)
+            activation = model(x, positions, inserts=inserts, documents=documents, aux_scale=aux_scale)
+            return StageResult(activation=activation, parts=_aux_parts(model, report))
+        logits, hidden = model(x, positions, return_hidden=True, inserts=inserts, documents=documents,
+                               aux_scale=aux_scale)
         if isinstance(hidden, DTensor):  # sequence parallelism: this rank's part of the sequence
             hidden = hidden.to_local()
-        result = StageResult(outputs={"hidden": hidden}, loss=token_loss_sum(logits, labels))
+        result = StageResult(outputs={"hidden": hidden}, loss=token_loss_sum(logits, labels),
+                             parts=_aux_parts(model, report))
         if not step.training:
             for key in self.evaluation_keys(data):
                 result.metrics[key.removesuffix("_position") + "_accuracy"] = _position_accuracy(
                     logits, labels, data[key], held, seq_len
                 )
         return result
+
+
+def _aux_parts(model: GPT, scale: float) -> dict[str, torch.Tensor]:
+    """The experts' auxiliary losses of the forward just run, summed over this stage's layers, times ``scale``."""
+    layers = [module for module in model.modules() if isinstance(module, MoEFeedForward)]
+    if not layers:
+        return {}
+    return {name: torch.stack([layer.last_aux[name] for layer in layers]).sum() * scale
+            for name in ("balance_loss", "z_loss")}
 
 
 def _position_accuracy(

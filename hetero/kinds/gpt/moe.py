@@ -1,0 +1,167 @@
+"""Mixture-of-experts feed-forward: token-choice top-k routing over SwiGLU experts, shared experts that
+every token goes through, and the router's auxiliary losses.
+
+Each token's router scores (a softmax over experts, or each expert's sigmoid) pick its ``top_k``
+experts; its output is the gate-weighted sum of theirs. The rows routed to the experts travel sorted by
+expert through a dispatch: here every expert is local (``LocalExperts``); under expert parallelism the
+plan swaps in an all-to-all over the EP group (``hetero.parallel.expert_parallel``). Dropless by
+default; with ``capacity_factor`` > 0 each expert takes at most ``ceil(factor · tokens · top_k / experts)``
+of a call's assignments, in token order, and the rest are dropped (the residual carries those tokens).
+
+The auxiliary losses are sums that decompose over tokens, so they are exact however the tokens are split
+over ranks and microbatches:
+
+- load balance, per row: ``E · Σ_t Σ_e f_{row(t),e} · p_{t,e}``, with ``f`` the fraction of the row's
+  top-k assignments that went to expert ``e`` (counted over the whole row: the plan sets ``row_group``
+  where the row's tokens are spread over ranks, CP) and ``p`` the router's probabilities. Summed over a
+  row it is the row's length times the Switch Transformer's ``E · Σ_e f_e P_e`` (1 when balanced);
+- router z-loss: ``Σ_t logsumexp(logits_t)²``.
+
+Their sum, weighted by ``balance_loss`` and ``router_z_loss`` and scaled by the forward's ``aux_scale``
+(1 / the global batch's tokens, so each is a mean over tokens), is attached to the layer's output: its
+gradient enters the backward wherever the layer sits, on any pipeline stage. ``last_aux`` keeps the
+weighted sums of the last forward for reporting.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hetero.kinds.gpt.config import GPTConfig
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, hidden_size: int, ffn_size: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.w2 = nn.Linear(ffn_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Experts(nn.Module):
+    """``num`` SwiGLU experts as stacked weights: w1 and w3 (num, ffn, hidden), w2 (num, hidden, ffn).
+    Under expert parallelism they are DTensors split along the expert dimension; a rank runs its own."""
+
+    def __init__(self, num: int, hidden_size: int, ffn_size: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num, ffn_size, hidden_size))
+        self.w3 = nn.Parameter(torch.empty(num, ffn_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num, hidden_size, ffn_size))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows ``x`` grouped by expert, ``counts[e]`` of them for the e-th expert this rank holds."""
+        w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
+        outs = [(F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T for e, rows in enumerate(x.split(counts))]
+        return torch.cat(outs) if outs else x
+
+
+class Dispatch(Protocol):
+    def __call__(self, experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for rows ``x`` sorted by expert, ``counts`` (num_experts,) per expert."""
+        ...
+
+
+class LocalExperts:
+    """Every expert on this rank. The counts go to the host to split the rows (dropless routing's one
+    device-to-host copy per layer)."""
+
+    bytes_sent = 0
+
+    def __call__(self, experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return experts(x, counts.tolist())
+
+
+class _WithAuxLoss(torch.autograd.Function):
+    """The layer's output unchanged; in backward, the auxiliary loss gets gradient 1 (it was scaled as a
+    part of the total loss already)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype, ctx.aux_device = aux.dtype, aux.device
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.expert_size)
+        self.shared = (SwiGLU(config.hidden_size, config.shared_experts * config.expert_size)
+                       if config.shared_experts else None)
+        self.dispatch: Dispatch = LocalExperts()
+        self.row_group: dist.ProcessGroup | None = None  # ranks holding other tokens of the same rows (CP)
+        self.last_aux: dict[str, torch.Tensor] = {}
+        # Training forwards' routing so far (not state: they restart with the process): tokens each expert
+        # took, and assignments routed and dropped.
+        self.load = torch.zeros(config.num_experts, dtype=torch.float64)
+        self.assigned = torch.zeros((), dtype=torch.float64)
+        self.dropped = torch.zeros((), dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, aux_scale: float | None = None) -> torch.Tensor:
+        """``x`` (batch, seq, hidden). ``aux_scale``: what the auxiliary losses' sums are multiplied by before
+        they join the backward (1 / the tokens of the global batch); None leaves them out (e.g. inference)."""
+        config = self.config
+        num, k = config.num_experts, config.top_k
+        batch, seq, hidden = x.shape
+        tokens = x.reshape(-1, hidden)
+        logits = self.router(tokens).float()
+        scores = logits.softmax(-1) if config.gate == "softmax" else logits.sigmoid()
+        gates, chosen = scores.topk(k, dim=-1)
+        if config.normalize_gates:
+            gates = gates / gates.sum(-1, keepdim=True)
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # assignments grouped by expert, in token order within each
+        counts = torch.bincount(flat, minlength=num)
+        routed = torch.ones_like(order, dtype=torch.bool)
+        if config.capacity_factor > 0:
+            capacity = math.ceil(config.capacity_factor * len(tokens) * k / num)
+            place = torch.arange(len(order), device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
+            routed = place < capacity
+            order, counts = order[routed], counts.clamp(max=capacity)
+        token_of = order // k
+        out = self.dispatch(self.experts, tokens[token_of], counts)
+        weights = gates.flatten()[order].to(out.dtype)
+        out = torch.zeros(tokens.shape, dtype=out.dtype, device=x.device).index_add(0, token_of, out * weights[:, None])
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        out = out.view(batch, seq, hidden)
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # training, not a recompute
+            self.load = self.load.to(x.device) + counts.double()
+            self.assigned = self.assigned.to(x.device) + flat.numel()
+            self.dropped = self.dropped.to(x.device) + (~routed).sum().double()
+        if aux_scale is None:
+            return out
+        probs = scores if config.gate == "softmax" else scores / scores.sum(-1, keepdim=True)
+        balance = self._balance_sum(chosen, probs, batch, seq) * config.balance_loss
+        z = logits.logsumexp(-1).square().sum() * config.router_z_loss
+        self.last_aux = {"balance_loss": balance.detach(), "z_loss": z.detach()}
+        return _WithAuxLoss.apply(out, (balance + z) * aux_scale) if torch.is_grad_enabled() else out
+
+    def _balance_sum(self, chosen: torch.Tensor, probs: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        """``E · Σ_t Σ_e f_{row(t),e} p_{t,e}`` over this call's tokens, ``f`` counted over whole rows."""
+        num = self.config.num_experts
+        row_of = torch.arange(batch, device=probs.device).repeat_interleave(seq)
+        counts = torch.zeros(batch, num, dtype=torch.float32, device=probs.device)
+        counts.index_put_((row_of.repeat_interleave(chosen.shape[1]), chosen.flatten()),
+                          torch.ones(chosen.numel(), device=probs.device), accumulate=True)
+        if self.row_group is not None:
+            dist.all_reduce(counts, group=self.row_group)
+        fractions = counts / counts.sum(-1, keepdim=True).clamp(min=1)
+        return num * (fractions[row_of] * probs).sum()

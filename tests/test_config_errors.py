@@ -258,6 +258,11 @@ CASES = {
         r"llm\.layout\.ep=4 does not divide llm\.layout\.dp=2: experts are split over ep data-parallel replicas; "
         r"choose ep from 1, 2 or raise dp",
     ),
+    "experts whose tokens do not split over tp": (
+        both(setter("llm.model.num_experts", 4), setter("llm.model.seq_len", 63), setter("llm.model.num_heads", 4)),
+        r"llm: under llm\.layout\.tp=2 each TP rank routes its part of the sequence through the experts, but the 63 "
+        r"tokens a CP rank holds do not split over tp=2",
+    ),
     "ep that does not divide the experts": (
         both(setter("llm.model.num_experts", 3), setter("llm.model.top_k", 1), setter("llm.layout.ep", 2)),
         r"llm\.layout\.ep=2 does not divide llm\.model\.num_experts=3; choose ep from 1, 3",
@@ -287,8 +292,8 @@ CASES = {
     "a compressed sync under ep": (
         both(setter("llm.model.num_experts", 4), setter("llm.layout.ep", 2),
              setter("llm.compression", {"grad": {"method": "int8"}})),
-        r"llm\.layout\.ep=2: compressed gradient syncs and DiLoCo run over dp×cp, while experts sync over their own "
-        r"replicas; turn llm\.compression\.grad and llm\.compression\.diloco off or set ep=1",
+        r"llm: compressed gradient syncs and DiLoCo run over dp×cp, while experts under ep=2, tp=2 sum their gradients "
+        r"over other ranks; turn llm\.compression\.grad and llm\.compression\.diloco off or set ep=1 and tp=1",
     ),
 }
 

@@ -66,10 +66,11 @@ def test_format_ranks():
 
 def test_expert_groups_split_dp_with_ep_inner():
     """tp2·dp4 over ranks 0-7 with ep2: replicas (0,1) and (2,3) form EP groups at each TP coordinate, and
-    replicas 0,2 (and 1,3) hold the same experts. With cp2 the CP ranks join the expert-data groups."""
+    replicas 0,2 (and 1,3) hold the same experts, with their TP ranks (which route other tokens). With cp2
+    the CP ranks join the expert-data groups."""
     layout = Layout(tp=2, cp=1, dp=4, pp=1, ranks=tuple(range(8)), ep=2)
     assert layout.expert_groups() == [(0, 2), (1, 3), (4, 6), (5, 7)]
-    assert layout.expert_data_groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert layout.expert_data_groups() == [(0, 1, 4, 5), (2, 3, 6, 7)]
     with_cp = Layout(tp=1, cp=2, dp=2, pp=1, ranks=tuple(range(4)), ep=2)
     assert with_cp.expert_groups() == [(0, 2), (1, 3)]
     assert with_cp.expert_data_groups() == [(0, 1), (2, 3)]

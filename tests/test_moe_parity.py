@@ -37,6 +37,7 @@ LAYOUTS = {
     "ep2·tp2": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(), CONFIG),
     "ep2·tp2+sp": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(sequence_parallel=True), CONFIG),
     "ep2·pp2": ({"pp": 2, "dp": 2, "ep": 2}, ParallelOptions(), CONFIG),
+    "tp2": ({"tp": 2}, ParallelOptions(), CONFIG),  # every expert on both ranks, each routing half the tokens
     "dp4 ep2": ({"dp": 4, "ep": 2}, ParallelOptions(), CONFIG),  # each expert's gradients summed over 2 replicas
     "ep2·cp2": ({"dp": 2, "cp": 2, "ep": 2}, ParallelOptions(), CONFIG),  # balance counted over whole rows
 }

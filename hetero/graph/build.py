@@ -51,17 +51,16 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
 
 
 def _expert_errors(node: Node) -> list[str]:
-    """What ``layout.ep`` > 1 asks of a module beyond its kind's own checks."""
-    if node.layout.ep == 1:
-        return []
+    """What experts under ``layout.ep`` > 1 or ``tp`` > 1 ask of a module beyond its kind's own checks."""
+    layout, name = node.layout, node.name
     if not node.kind.expert_parallel(node.config):
-        return [f"{node.name}.layout.ep={node.layout.ep}: this {node.kind.name} module has no experts to split (a gpt "
-                f"module has them with model.num_experts > 0); set {node.name}.model.num_experts or remove "
-                f"{node.name}.layout.ep"]
-    if node.settings.compression.compresses:
-        return [f"{node.name}.layout.ep={node.layout.ep}: compressed gradient syncs and DiLoCo run over dp×cp, "
-                f"while experts sync over their own replicas; turn {node.name}.compression.grad and "
-                f"{node.name}.compression.diloco off or set ep=1"]
+        return [] if layout.ep == 1 else [
+            f"{name}.layout.ep={layout.ep}: this {node.kind.name} module has no experts to split (a gpt module has "
+            f"them with model.num_experts > 0); set {name}.model.num_experts or remove {name}.layout.ep"]
+    if node.settings.compression.compresses and (layout.ep > 1 or layout.tp > 1):
+        return [f"{name}: compressed gradient syncs and DiLoCo run over dp×cp, while experts under ep={layout.ep}, "
+                f"tp={layout.tp} sum their gradients over other ranks; turn {name}.compression.grad and "
+                f"{name}.compression.diloco off or set ep=1 and tp=1"]
     return []
 
 

@@ -14,7 +14,8 @@ A kind is what the runtime needs to train a module of it, whatever graph it sits
   ``StageResult`` out): the activation for the next stage, or on the last stage its outputs, its loss
   as sums over the rows it holds, and in evaluation its metrics;
 - ``loss_count(batch, rows)``: the global divisor of those sums (rows, or supervised tokens);
-- ``expert_parallel(config)``: whether its layout may take ``ep`` > 1 (experts split over DP replicas).
+- ``expert_parallel(config)``: whether it has experts, so its layout may take ``ep`` > 1 (experts split
+  over DP replicas); ``expert_weights(model)``: their parameters.
 
 User code registers its own kinds the same way (``registry.register(MyKind())``), or ships them as an
 entry point in the group ``hetero.kinds`` that ``default_registry()`` loads.
@@ -198,8 +199,13 @@ class Kind:
         return True
 
     def expert_parallel(self, config: Any) -> bool:
-        """Whether the module's experts can be split over ``layout.ep`` replicas (its plan does it)."""
+        """Whether the module has experts, which ``layout.ep`` can split over replicas (its plan does it)."""
         return False
+
+    def expert_weights(self, model: nn.Module) -> set[str]:
+        """Names of the parameters whose gradients sum over the expert-data-parallel group (``mesh.py``)
+        instead of dp×cp."""
+        return set()
 
     def loss_parts(self, config: Any) -> tuple[str, ...]:
         """Names of the terms ``stage`` reports besides the loss (``StageResult.parts``)."""

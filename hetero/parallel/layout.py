@@ -4,9 +4,9 @@ Ranks are laid out in Megatron's order: tp varies fastest, then cp, then dp, the
 neighbouring ranks. Local index of a coordinate = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp,
 and the global rank is ``ranks[local index]``. Expert parallelism splits the dp axis: ``dp = edp × ep``
 with ep the inner factor (a replica's EP coordinate is ``dp % ep``), so an EP group is ``ep`` replicas
-next to each other at one tp, cp and pp coordinate, and the replicas holding the same experts (the
-expert-data-parallel group, with the CP ranks) are ``ep`` replicas apart. Everything here is pure
-arithmetic: no process groups.
+next to each other at one tp, cp and pp coordinate, and the ranks holding the same experts and other
+tokens (the expert-data-parallel group: replicas ``ep`` apart, with their CP and TP ranks, which route
+other tokens too) are the rest of the stage. Everything here is pure arithmetic: no process groups.
 """
 
 from __future__ import annotations
@@ -127,17 +127,17 @@ class Layout:
     def expert_groups(self) -> list[tuple[int, ...]]:
         """The EP groups: the ``ep`` neighbouring replicas (dp coordinates ``g·ep .. g·ep+ep-1``) at each
         tp, cp and pp coordinate, in EP-coordinate order; an expert shard's tokens meet in one."""
-        return self._dp_groups(lambda dp: dp // self.ep, with_cp=False)
-
-    def expert_data_groups(self) -> list[tuple[int, ...]]:
-        """The ranks holding the same experts and other tokens (every ``ep``-th replica, with the CP ranks)
-        at each tp and pp coordinate: where expert gradients are summed."""
-        return self._dp_groups(lambda dp: dp % self.ep, with_cp=True)
-
-    def _dp_groups(self, key, with_cp: bool) -> list[tuple[int, ...]]:
         groups: dict[tuple, list[int]] = {}
         for rank, c in self.coords():
-            groups.setdefault((c.pp, key(c.dp), c.tp) + (() if with_cp else (c.cp,)), []).append(rank)
+            groups.setdefault((c.pp, c.dp // self.ep, c.cp, c.tp), []).append(rank)
+        return [tuple(members) for _, members in sorted(groups.items())]
+
+    def expert_data_groups(self) -> list[tuple[int, ...]]:
+        """The ranks holding the same experts and routing other tokens (every ``ep``-th replica, with
+        their CP and TP ranks) at each pp coordinate: where expert gradients are summed."""
+        groups: dict[tuple, list[int]] = {}
+        for rank, c in self.coords():
+            groups.setdefault((c.pp, c.dp % self.ep), []).append(rank)
         return [tuple(members) for _, members in sorted(groups.items())]
 
     def describe_ranks(self) -> str:

@@ -30,7 +30,7 @@ class ModuleMesh:
     layout: Layout
     coord: Coord
     mesh: DeviceMesh  # dims named ("pp", "dp", "cp", "tp"), tp innermost
-    groups: dict[str, dist.ProcessGroup]  # "tp", "cp", "dp", "pp", "dp_cp"; "grad_sync" (dp·cp > 1); STAGE_GROUPS (pp > 1); EXPERT_GROUPS (ep > 1)
+    groups: dict[str, dist.ProcessGroup]  # "tp", "cp", "dp", "pp", "dp_cp"; "grad_sync" (dp·cp > 1); STAGE_GROUPS (pp > 1); EXPERT_GROUPS (experts)
     group_ranks: dict[str, tuple[int, ...]]  # global ranks of each group, in group-rank order
     expert_mesh: DeviceMesh | None = None  # the EP group as a 1-D mesh named "ep" (ep > 1): experts' DTensors
 
@@ -47,9 +47,11 @@ class ModuleMesh:
 
 
 STAGE_GROUPS = ("stage_activations", "stage_gradients")  # the pipeline's traffic, one group per direction
-# Expert parallelism's groups: the tokens' all-to-all, and the sum of expert gradients over the ranks
-# that hold the same experts (``Layout.expert_groups`` / ``expert_data_groups``), each of its own.
-EXPERT_GROUPS = ("ep", "expert_sync")
+# A module with experts gets groups of its own: "ep" (ep > 1), the tokens' all-to-all
+# (``Layout.expert_groups``); "expert_sync", the sum of expert gradients over the ranks that hold the same
+# experts and route other tokens (``expert_data_groups``); "rows" (cp·tp > 1), the ranks holding parts of
+# the same rows, where the balance loss counts whole rows.
+EXPERT_GROUPS = ("ep", "expert_sync", "rows")
 
 
 def resolve_backend(backend: str) -> str:
@@ -101,9 +103,10 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
 
 
 def build_module_meshes(
-    placement: Placement, timeout_s: float = 300.0
+    placement: Placement, timeout_s: float = 300.0, expert_modules: frozenset[str] = frozenset()
 ) -> dict[str, ModuleMesh]:
-    """Create every module's groups on every rank; return the meshes of modules on this rank."""
+    """Create every module's groups on every rank; return the meshes of modules on this rank.
+    ``expert_modules``: the modules with experts, which get ``EXPERT_GROUPS``."""
     rank = dist.get_rank()
     if dist.get_world_size() != placement.world_size:
         raise ConfigError(
@@ -148,8 +151,11 @@ def build_module_meshes(
                 group = dist.new_group(list(members), timeout=timeout, sort_ranks=False)
                 if rank in members:
                     mine["grad_sync"], mine_ranks["grad_sync"] = group, members
-        if layout.ep > 1:
-            for kind, groups in zip(EXPERT_GROUPS, (layout.expert_groups(), layout.expert_data_groups())):
+        if name in expert_modules:
+            expert_groups = {"ep": layout.expert_groups() if layout.ep > 1 else [],
+                             "expert_sync": layout.expert_data_groups(),
+                             "rows": layout.groups(("cp", "tp")) if layout.cp * layout.tp > 1 else []}
+            for kind, groups in expert_groups.items():
                 for members in groups:
                     group = dist.new_group(list(members), timeout=timeout, sort_ranks=False)
                     if rank in members:

@@ -22,7 +22,6 @@ from hetero.parallel.compression.collective import Collective, GroupCollective
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.diloco import DiLoCo
 from hetero.parallel.data import AllReduceGradSync, GradSync, GradSyncs
-from hetero.parallel.expert_parallel import is_expert_weight
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import REDUCE_DTYPES, ParallelOptions
 
@@ -37,9 +36,11 @@ class ReplicaSync:
         seed: int = 0,
         outer_comm: Collective | None = None,
         before_launch: Callable[[nn.Parameter], None] | None = None,
+        expert_weights: set[str] = frozenset(),
     ):
         """``before_launch``: run on a parameter whose gradient is final before an overlapped all-reduce
-        takes it (``AllReduceGradSync``)."""
+        takes it (``AllReduceGradSync``). ``expert_weights``: the parameters summed over the mesh's
+        ``expert_sync`` group instead (uncompressed)."""
         self.compression = compression or CompressionConfig()
         self.model = model
         self.replicas = 1 if mesh is None else mesh.layout.dp * mesh.layout.cp
@@ -50,20 +51,23 @@ class ReplicaSync:
                 return  # one replica: nothing to average, DiLoCo would only add outer steps
             comm = outer_comm or GroupCollective(mesh.group("dp_cp"))  # type: ignore[union-attr]
             self.diloco = build_diloco(self.compression, model.named_parameters(), comm, seed)
-        elif self.replicas > 1 and not options.fsdp:
-            comm = GroupCollective(mesh.group("grad_sync"))  # type: ignore[union-attr]
+        elif not options.fsdp:
             bucket_bytes = int(options.grad_bucket_mb * 2**20)
             reduce_dtype = REDUCE_DTYPES[options.reduce_precision]
             named = list(model.named_parameters())
-            dense = [(n, p) for n, p in named if not is_expert_weight(p)]
-            self.grad_sync = build_grad_sync(self.compression.grad, dense, comm, bucket_bytes, seed, reduce_dtype,
-                                             before_launch)
-            experts = [(n, p) for n, p in named if is_expert_weight(p)]
-            if experts and len(mesh.group_ranks["expert_sync"]) > 1:  # type: ignore[union-attr]
-                # Experts' gradients sum over the replicas holding the same experts, in their own buckets.
-                expert_sync = AllReduceGradSync(experts, mesh.group("expert_sync"), bucket_bytes, reduce_dtype,  # type: ignore[union-attr]
-                                                before_launch)
-                self.grad_sync = GradSyncs([self.grad_sync, expert_sync])
+            syncs = []
+            if self.replicas > 1:
+                comm = GroupCollective(mesh.group("grad_sync"))  # type: ignore[union-attr]
+                dense = [(n, p) for n, p in named if n not in expert_weights]
+                syncs.append(build_grad_sync(self.compression.grad, dense, comm, bucket_bytes, seed, reduce_dtype,
+                                             before_launch))
+            if expert_weights and len(mesh.group_ranks["expert_sync"]) > 1:  # type: ignore[union-attr]
+                # Experts' gradients sum over the ranks holding the same experts, in buckets of their own.
+                experts = [(n, p) for n, p in named if n in expert_weights]
+                syncs.append(AllReduceGradSync(experts, mesh.group("expert_sync"), bucket_bytes, reduce_dtype,  # type: ignore[union-attr]
+                                               before_launch))
+            if syncs:
+                self.grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(syncs)
 
     @property
     def bytes_sent(self) -> int:

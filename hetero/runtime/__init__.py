@@ -18,7 +18,8 @@ def build_runtime(
     """The experiment's runtime on this rank: its graph checked, every module's process groups built (on
     every rank, in one order), its modules, edges and schedules. ``outer_comms``: see ``Runtime``."""
     graph = graph or build_graph(experiment, registry)
-    meshes = build_module_meshes(graph.placement, experiment.timeout_s)
+    experts = frozenset(name for name, node in graph.nodes.items() if node.kind.expert_parallel(node.config))
+    meshes = build_module_meshes(graph.placement, experiment.timeout_s, experts)
     first = next(iter(graph.nodes))
     return Runtime(
         graph, meshes, microbatches=experiment.num_microbatches(first, graph.nodes[first].layout.dp),

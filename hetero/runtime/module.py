@@ -70,7 +70,8 @@ class ModuleState:
 
     def _replica_sync(self) -> ReplicaSync:
         return ReplicaSync(self.model, self.mesh, self.node.options, self.node.settings.compression, self.seed,
-                           self.outer_comm, before_launch=settle_partial)
+                           self.outer_comm, before_launch=settle_partial,
+                           expert_weights=self.node.kind.expert_weights(self.model))
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

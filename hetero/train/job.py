@@ -181,7 +181,7 @@ def _moe_layers(module) -> list[tuple[int, MoEFeedForward]]:
 def expert_routing(runtime: Runtime) -> dict[str, float]:
     """Per module with experts, over the training steps since the last call: the per-expert load (the
     tokens of the busiest expert over the mean, the worst layer's) and the fraction of top-k assignments
-    dropped for capacity. Each TP group's count once (its ranks route the same tokens)."""
+    dropped for capacity, counted over every rank (each routes its own tokens)."""
     modules = {name: node.config for name, node in runtime.graph.nodes.items() if getattr(node.config, "moe", False)}
     if not modules:
         return {}
@@ -192,8 +192,7 @@ def expert_routing(runtime: Runtime) -> dict[str, float]:
         if module is None:
             continue
         for index, layer in _moe_layers(module):
-            if module.mesh.coord.tp == 0:
-                table[index] = torch.cat([layer.load, layer.assigned[None], layer.dropped[None]]).to(table.device)
+            table[index] = torch.cat([layer.load, layer.assigned[None], layer.dropped[None]]).to(table.device)
             layer.load, layer.assigned, layer.dropped = (torch.zeros_like(t) for t in (layer.load, layer.assigned, layer.dropped))
     totals = torch.cat([table.flatten() for table in tables.values()])
     dist.all_reduce(totals)

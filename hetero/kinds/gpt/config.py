@@ -137,6 +137,11 @@ class GPTConfig:
         if self.num_experts % layout.ep:
             errors.append(f"{module}.layout.ep={layout.ep} does not divide {field}.num_experts={self.num_experts}; "
                           f"choose ep from {', '.join(str(d) for d in range(1, self.num_experts + 1) if self.num_experts % d == 0)}")
+        tokens = self.seq_len // layout.cp
+        if layout.tp > 1 and tokens % layout.tp:
+            errors.append(f"{module}: under {module}.layout.tp={layout.tp} each TP rank routes its part of the "
+                          f"sequence through the experts, but the {tokens} tokens a CP rank holds do not split over "
+                          f"tp={layout.tp}; use a sequence length that is a multiple of cp*tp={layout.cp * layout.tp}")
         if options is not None and options.fsdp and (layout.ep > 1 or layout.tp > 1):
             errors.append(f"{module}.parallel.fsdp=true with experts runs at ep=1 and tp=1 (got ep={layout.ep}, "
                           f"tp={layout.tp}); turn fsdp off or set ep=1 and tp=1")

@@ -13,7 +13,7 @@ over ranks and microbatches:
 
 - load balance, per row: ``E · Σ_t Σ_e f_{row(t),e} · p_{t,e}``, with ``f`` the fraction of the row's
   top-k assignments that went to expert ``e`` (counted over the whole row: the plan sets ``row_group``
-  where the row's tokens are spread over ranks, CP) and ``p`` the router's probabilities. Summed over a
+  where the row's tokens are spread over ranks, CP and TP) and ``p`` the router's probabilities. Summed over a
   row it is the row's length times the Switch Transformer's ``E · Σ_e f_e P_e`` (1 when balanced);
 - router z-loss: ``Σ_t logsumexp(logits_t)²``.
 
@@ -106,7 +106,7 @@ class MoEFeedForward(nn.Module):
         self.shared = (SwiGLU(config.hidden_size, config.shared_experts * config.expert_size)
                        if config.shared_experts else None)
         self.dispatch: Dispatch = LocalExperts()
-        self.row_group: dist.ProcessGroup | None = None  # ranks holding other tokens of the same rows (CP)
+        self.row_group: dist.ProcessGroup | None = None  # ranks holding other tokens of the same rows (CP, TP)
         self.last_aux: dict[str, torch.Tensor] = {}
         # Training forwards' routing so far (not state: they restart with the process): tokens each expert
         # took, and assignments routed and dropped.

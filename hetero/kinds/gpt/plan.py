@@ -2,10 +2,12 @@
 checkpointing, and FSDP2 when asked. Without FSDP2 the runtime synchronizes gradients over dp×cp itself
 with a ``GradSync`` (experts' over their expert-data-parallel group).
 
-Experts under TP: attention splits its heads over TP as in a dense block, while the mixture of experts
-runs whole on every TP rank, on the same tokens (under sequence parallelism it gathers the sequence
-first and keeps its part of the output). Its weights are plain on the TP group and their gradients
-equal on every TP rank; the price is TP-fold expert compute and all-to-all traffic.
+Experts under TP: attention splits its heads over TP as in a dense block, while each TP rank routes its
+own part of the sequence through the mixture of experts (sequence parallelism's part; without SP it takes
+its part of the replicated stream and the outputs are gathered back). Every TP rank holds the whole
+router, shared experts and experts (or its EP shard of them): the router's and shared experts' gradients
+are partial sums over TP (``SequenceParallel`` weights, reduced with the others), the experts' are
+summed over their expert-data-parallel group, which spans TP.
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ def keep_stage(model: GPT, stage: int, num_stages: int) -> None:
         model.output = None
 
 
-def block_plan(sequence_parallel: bool = False, qk_norm: bool = False, experts: bool = False) -> dict[str, nn.Module]:
+def block_plan(sequence_parallel: bool = False, qk_norm: bool = False, experts: bool = False,
+               shared_experts: bool = False) -> dict[str, nn.Module]:
     """TP plan of a GPT ``Block``: heads and SwiGLU units split, the output projections reduce (into a
     sequence-sharded residual stream under sequence parallelism). The per-head norms of q and k see
     this rank's heads (dim 1 of (batch, heads, seq, head_dim)): their weights are replicated and their
     gradients partial sums over the TP group, reduced with the other partial gradients. ``experts``: the
-    block's MLP is a mixture of experts, which runs whole on every TP rank (the module docstring)."""
+    block's MLP is a mixture of experts (with ``shared_experts``), fed this rank's part of the sequence
+    (the module docstring)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, nn.Module] = {
         "attention.wq": ColwiseParallel(),
@@ -59,6 +63,14 @@ def block_plan(sequence_parallel: bool = False, qk_norm: bool = False, experts: 
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=residual),
         }
+    else:  # the router and shared experts see this rank's tokens (flattened: dim 0)
+        routed = ["router"] + ([f"shared.{w}" for w in ("w1", "w3", "w2")] if shared_experts else [])
+        plan |= {f"feed_forward.{name}": SequenceParallel(sequence_dim=0, use_local_output=True) for name in routed}
+        # Its part of the stream in (under SP as it is, else cut from the replicated one), the output back
+        # into the stream's layout (without SP, the parts gathered).
+        plan["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(residual, None), desired_input_layouts=(Shard(1), None), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(residual,), use_local_output=True)
     if qk_norm:
         plan |= {"attention.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
                  "attention.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True)}
@@ -69,12 +81,9 @@ def block_plan(sequence_parallel: bool = False, qk_norm: bool = False, experts: 
                 input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
             ),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         }
-        if experts:
-            plan["feed_forward"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        if not experts:  # the experts take the sequence-sharded stream as it is
+            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan
 
 
@@ -92,7 +101,8 @@ def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool)
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, model.config.qk_norm, model.config.moe))
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, model.config.qk_norm, model.config.moe,
+                                                      model.config.shared_experts > 0))
     if model.config.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # same Shard(0) placement: re-tie the DTensor
 
@@ -114,13 +124,13 @@ def parallelize_gpt(model: GPT, mesh: ModuleMesh, options: ParallelOptions) -> G
 
 def apply_expert_parallel(model: GPT, mesh: ModuleMesh) -> None:
     """Each MoE layer's experts split over the EP group with an all-to-all dispatch (ep > 1), and its
-    balance loss counting whole rows over the CP group (cp > 1)."""
+    balance loss counting whole rows over the ranks holding parts of them (cp·tp > 1)."""
     layout = mesh.layout
     for block in model.layers.values():
         moe = block.feed_forward
         assert isinstance(moe, MoEFeedForward)
-        if layout.cp > 1:
-            moe.row_group = mesh.group("cp")
+        if layout.cp * layout.tp > 1:
+            moe.row_group = mesh.group("rows")
         if layout.ep > 1:
             assert mesh.expert_mesh is not None
             shard_experts(moe.experts, mesh.expert_mesh)

@@ -24,6 +24,7 @@ import contextlib
 from typing import ContextManager
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -41,6 +42,9 @@ from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 
 
+AUX_PARTS = ("balance_loss", "z_loss")
+
+
 class GPTKind(Kind):
     name = "gpt"
     config = GPTConfig
@@ -51,8 +55,11 @@ class GPTKind(Kind):
     def expert_parallel(self, config: GPTConfig) -> bool:
         return config.moe
 
+    def expert_weights(self, model: GPT) -> set[str]:
+        return {name for name, _ in model.named_parameters() if ".feed_forward.experts." in name}
+
     def loss_parts(self, config: GPTConfig) -> tuple[str, ...]:
-        return ("balance_loss", "z_loss") if config.moe else ()
+        return AUX_PARTS if config.moe else ()
 
     def parallelize(self, model, mesh, options):
         return parallelize_gpt(model, mesh, options)
@@ -143,13 +150,13 @@ class GPTKind(Kind):
         report = step.loss_count * aux_scale if aux_scale is not None else 0.0
         if not mesh.is_last_stage:
             activation = model(x, positions, inserts=inserts, documents=documents, aux_scale=aux_scale)
-            return StageResult(activation=activation, parts=_aux_parts(model, report))
+            return StageResult(activation=activation, parts=_aux_parts(model, report, mesh))
         logits, hidden = model(x, positions, return_hidden=True, inserts=inserts, documents=documents,
                                aux_scale=aux_scale)
         if isinstance(hidden, DTensor):  # sequence parallelism: this rank's part of the sequence
             hidden = hidden.to_local()
         result = StageResult(outputs={"hidden": hidden}, loss=token_loss_sum(logits, labels),
-                             parts=_aux_parts(model, report))
+                             parts=_aux_parts(model, report, mesh))
         if not step.training:
             for key in self.evaluation_keys(data):
                 result.metrics[key.removesuffix("_position") + "_accuracy"] = _position_accuracy(
@@ -158,13 +165,16 @@ class GPTKind(Kind):
         return result
 
 
-def _aux_parts(model: GPT, scale: float) -> dict[str, torch.Tensor]:
-    """The experts' auxiliary losses of the forward just run, summed over this stage's layers, times ``scale``."""
+def _aux_parts(model: GPT, scale: float, mesh: ModuleMesh) -> dict[str, torch.Tensor]:
+    """The experts' auxiliary losses of the forward just run, summed over this stage's layers and (each TP
+    rank routes its part of the tokens) over its TP group, times ``scale``."""
     layers = [module for module in model.modules() if isinstance(module, MoEFeedForward)]
     if not layers:
         return {}
-    return {name: torch.stack([layer.last_aux[name] for layer in layers]).sum() * scale
-            for name in ("balance_loss", "z_loss")}
+    parts = torch.stack([torch.stack([layer.last_aux[name] for layer in layers]).sum() for name in AUX_PARTS]) * scale
+    if mesh.layout.tp > 1:
+        dist.all_reduce(parts, group=mesh.group("tp"))
+    return dict(zip(AUX_PARTS, parts))
 
 
 def _position_accuracy(

@@ -5,7 +5,7 @@
 
 Rows, each measured in this run:
 
-- every shipped training job (LLM, VLM, ``dna_vlm``, video, GeneZip, the full graph) at world size 1 in
+- every shipped training job (LLM, VLM, ``moe_vlm``, ``dna_vlm``, video, GeneZip, the full graph) at world size 1 in
   bf16 (autocast, fp32 master weights) for ``--steps`` steps: its loss at the first and the last step
   and the median step time;
 - the Triton int8 block quantizer and the segmented top-k (with its error-feedback update) on 2^26
@@ -33,8 +33,8 @@ from hetero.bench.throughput import absolute_paths
 from hetero.config import load_experiment
 from hetero.graph import build_graph
 
-JOBS = {"LLM": "text_lm", "VLM": "colocated_vlm", "DNA-VLM": "dna_vlm", "video": "video", "GeneZip": "genezip",
-        "full graph": "full_graph"}
+JOBS = {"LLM": "text_lm", "VLM": "colocated_vlm", "MoE-VLM": "moe_vlm", "DNA-VLM": "dna_vlm", "video": "video",
+        "GeneZip": "genezip", "full graph": "full_graph"}
 KERNEL_NUMEL = 2**26
 
 
@@ -52,7 +52,7 @@ def one_rank_overrides(name: str, precision: str) -> list[str]:
     layouts = build_graph(experiment).placement.layouts
     overrides = ["world_size=1"]
     for module in experiment.modules:
-        overrides += [f"{module}.layout.{axis}=1" for axis in ("tp", "cp", "dp", "pp")]
+        overrides += [f"{module}.layout.{axis}=1" for axis in ("tp", "cp", "dp", "pp", "ep")]
         overrides.append(f"{module}.micro_batch_size={experiment.micro_batch_size(module) * layouts[module].dp}")
         overrides += [f"{module}.layout.offset=0", f"{module}.layout.size=null", f"{module}.layout.ranks=null",
                       f"{module}.parallel.precision={precision}", f"{module}.parallel.sequence_parallel=false"]

@@ -6,9 +6,10 @@ side by side in one run on the same ranks.
 Both are byte-level GPTs on the standard library's sources (``hetero.data.text``), trained through the
 runtime on ``ranks`` gloo ranks with AdamW, fp32. The dense one has a SwiGLU MLP of ``4·hidden`` units and
 runs at dp=ranks; the MoE one has ``--experts`` experts of ``4·hidden / top_k`` units, top_k of them per
-token (so the same expert units, and FLOPs, per token, plus the router), at dp=ranks with ep=ranks. Steps
-alternate between the two (the first two of each are warm-up); the bytes are every rank's gradient sync
-and all-to-all traffic, summed.
+token (so the same expert units, and FLOPs, per token, plus the router), at dp=ranks with ep=ranks, and
+beside it at ep=1 (every expert on every rank: no all-to-all, every expert's gradients in the sync), which
+separates the experts' compute from their exchange. Steps rotate through the three (the first two of each
+are warm-up); the bytes are every rank's gradient sync and all-to-all traffic, summed.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def configs(hidden: int, layers: int, seq_len: int, experts: int, top_k: int) ->
     moe = GPTConfig(vocab_size=256, hidden_size=hidden, num_layers=layers, num_heads=4, seq_len=seq_len,
                     num_experts=experts, top_k=top_k, expert_ffn_size=dense.ffn_size // top_k, balance_loss=0.01,
                     router_z_loss=0.001)
-    return {"dense": dense, "moe": moe}
+    return {"dense": dense, "moe": moe, "moe ep1": moe}
 
 
 def text_batches(steps: int, rows: int, seq_len: int) -> list[dict[str, torch.Tensor]]:
@@ -74,14 +75,15 @@ def _bytes(runtime) -> torch.Tensor:
 def on_rank(rank: int, world_size: int, models: dict[str, GPTConfig], steps: int, rows: int) -> dict:
     runtimes = {}
     for name, config in models.items():
-        layout = {"dp": world_size} | ({"ep": world_size} if config.moe else {})
+        layout = {"dp": world_size} | ({"ep": world_size} if name == "moe" else {})
         blocks = {"llm": module("gpt", config, layout, OptimizerConfig(lr=1e-3))}
         runtimes[name] = build_runtime(experiment(world_size, blocks, global_batch=rows, microbatches=1, seed=0))
     data = text_batches(steps, rows, models["dense"].seq_len)
     seconds, losses = dict.fromkeys(models, 0.0), {name: [] for name in models}
     sent = {name: torch.zeros(2, dtype=torch.float64) for name in models}
+    names = list(models)
     for step, batch in enumerate(data):
-        for name in (list(models) if step % 2 == 0 else list(models)[::-1]):
+        for name in names[step % len(names):] + names[: step % len(names)]:
             before = _bytes(runtimes[name])
             dist.barrier()
             started = time.perf_counter()
@@ -125,14 +127,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{result['ranks']} ranks, {result['tokens_per_step']} tokens a step, {result['timed_steps']} timed steps each")
     print("variant | active params | all params | tokens/s | grad sync / step | all-to-all / step | loss first -> last")
     total = {}
-    for name in ("dense", "moe"):
+    for name in ("dense", "moe", "moe ep1"):
         r = result[name]
         total[name] = r["sync_bytes_per_step"] + r["all_to_all_bytes_per_step"]
         print(f"{name:7s} | {r['active_params']:13,d} | {r['params']:10,d} | {r['tokens_per_s']:8,.0f} | "
               f"{r['sync_bytes_per_step'] / 2**20:13.2f} MB | {r['all_to_all_bytes_per_step'] / 2**20:14.2f} MB | "
               f"{r['first_loss']:.3f} -> {r['last_loss']:.3f}")
-    print(f"tokens/s, moe / dense: {result['moe']['tokens_per_s'] / result['dense']['tokens_per_s']:.2f}x; "
-          f"bytes/step, moe / dense: {total['moe'] / total['dense']:.2f}x")
+    dense = result["dense"]["tokens_per_s"]
+    print(f"tokens/s, moe / dense: {result['moe']['tokens_per_s'] / dense:.2f}x (ep1: "
+          f"{result['moe ep1']['tokens_per_s'] / dense:.2f}x); bytes/step, moe / dense: {total['moe'] / total['dense']:.2f}x "
+          f"(ep1: {total['moe ep1'] / total['dense']:.2f}x)")
 
 
 if __name__ == "__main__":

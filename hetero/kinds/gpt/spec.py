@@ -146,7 +146,7 @@ class GPTKind(Kind):
         inserts = [(arrival.index, arrival.tensor, arrival.positions) for arrival in step.inputs]
         # The experts' auxiliary losses are means over every token of the global batch; reported as sums
         # over the runtime's divisor, like the loss.
-        aux_scale = 1.0 / (step.global_rows * seq_len) if step.config.moe else None
+        aux_scale = 1.0 / (max(step.global_rows, 1) * seq_len) if step.config.moe else None
         report = step.loss_count * aux_scale if aux_scale is not None else 0.0
         if not mesh.is_last_stage:
             activation = model(x, positions, inserts=inserts, documents=documents, aux_scale=aux_scale)

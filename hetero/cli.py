@@ -57,6 +57,7 @@ BENCHMARKS = {
     "overhead": "hetero.bench.overhead",
     "packing": "hetero.bench.packing",
     "plan-accuracy": "hetero.bench.plan_accuracy",
+    "scale": "hetero.bench.scale",
     "schedules": "hetero.bench.schedules",
     "throughput": "hetero.bench.throughput",
     "video-memory": "hetero.bench.video_memory",

@@ -260,3 +260,39 @@ def rank0_to_rank1(name: str, ndim: int, **options) -> Boundary:
 
 def spec(ndim=3, dtype=FLOAT, **sides) -> TensorSpec:
     return TensorSpec(ndim=ndim, dtype=dtype, **sides)
+
+
+# ------------------------------------------------------------------------- plans by brute force
+
+
+def brute_force_pieces(key, shape, spec: TensorSpec, source: Side, destination: Side, rank: int, first_index: int,
+                       rows: Rows = Rows()):
+    """The pieces of ``boundary_plan.plan_pieces`` the slow way: every rank's box on both sides, ranks with
+    equal boxes grouped, every pair of groups intersected (what the planner did before it searched by
+    intervals; quadratic in the world)."""
+    import itertools
+    import math
+
+    from hetero.parallel.boundary_plan import Piece, dim_overlaps, rank_box
+
+    def groups(sharding, side, counts):
+        found: dict = {}
+        for r, coord in side.layout.coords():
+            if coord.pp == side.stage:
+                found.setdefault(rank_box(shape, sharding, side.layout, coord, counts), []).append(r)
+        return [(box, tuple(members)) for box, members in found.items()]
+
+    pieces = []
+    for dst_box, dst_ranks in groups(spec.destination, destination, rows.destination):
+        for src_box, src_ranks in groups(spec.source, source, rows.source):
+            if rank not in dst_ranks and rank not in src_ranks:
+                continue
+            per_dim = [dim_overlaps(s, d) for s, d in zip(src_box, dst_box)]
+            if not all(per_dim):
+                continue
+            pieces.append(Piece(index=first_index + len(pieces), key=key, dtype=spec.dtype,
+                                blocks=tuple(itertools.product(*per_dim)),
+                                numel=math.prod(sum(run.length for run in runs) for runs in per_dim),
+                                senders=src_ranks, receivers=tuple(r for r in dst_ranks if r not in src_ranks),
+                                local=tuple(r for r in dst_ranks if r in src_ranks)))
+    return pieces

@@ -63,8 +63,7 @@ from hetero.parallel.boundary_plan import (
     keep_keys,
     merge_messages,
     rank_plan,
-    replica_groups,
-    side_boxes,
+    SideGroups,
 )
 from hetero.parallel.boundary_wire import (
     DIRECTIONS,
@@ -231,8 +230,10 @@ class Boundary:
         """How many destination ranks hold the same shard of a one-tensor call as this destination rank
         (itself included): the ranks whose gradients the backward sums."""
         (spec,) = self.specs.values()
-        boxes = side_boxes(tuple(shape), spec.destination, self.destination, rows.destination)
-        return next(len(ranks) for _, ranks in replica_groups(boxes) if self.rank in ranks)
+        groups = SideGroups(tuple(shape), spec.destination, self.destination, rows.destination)
+        coord = self.destination.layout.coord(self.rank)
+        assert coord is not None
+        return len(groups.members(groups.key_of(coord)))
 
     def _plan(self, shapes: dict[str, tuple[int, ...]], rows: Rows) -> RankPlan:
         key = (tuple(shapes.items()), rows)

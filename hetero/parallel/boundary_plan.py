@@ -25,6 +25,7 @@ and R all-gathers the sender ranges, so every source replica ends with the full 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -107,20 +108,84 @@ def dim_overlaps(src: Sequence[Span], dst: Sequence[Span]) -> tuple[DimOverlap, 
     return tuple(merged)
 
 
-def replica_groups(boxes: Mapping[int, Box]) -> list[tuple[Box, tuple[int, ...]]]:
-    """Ranks grouped by equal boxes, groups and members in the mapping's (layout) order."""
-    groups: dict[Box, list[int]] = {}
-    for rank, box in boxes.items():
-        groups.setdefault(box, []).append(rank)
-    return [(box, tuple(ranks)) for box, ranks in groups.items()]
+class SideGroups:
+    """One side's replica groups for one tensor shape, found without listing the world.
 
+    A group is the ranks of the holding stage that agree on the coordinates that split the tensor: dp
+    where it has a batch dim, cp where it has a sequence dim, tp under sequence parallelism. Other ranks
+    hold other elements, so a group's box (and its members, and its place in layout order) follows from
+    that key alone. ``overlapping(box)`` finds the groups whose boxes meet another side's box by interval
+    arithmetic: the DP replicas whose rows meet the box's rows (found from the box's ends, not by
+    scanning the replicas), times the CP/SP parts (few) whose spans meet its sequence spans.
+    """
 
-def side_boxes(shape: Sequence[int], sharding: Sharding, side: Side, counts: tuple[int, ...] | None = None) -> dict[int, Box]:
-    return {
-        rank: rank_box(shape, sharding, side.layout, coord, counts)
-        for rank, coord in side.layout.coords()
-        if coord.pp == side.stage
-    }
+    def __init__(self, shape: Sequence[int], sharding: Sharding, side: Side, counts: tuple[int, ...] | None = None):
+        self.shape, self.sharding, self.layout, self.stage, self.counts = tuple(shape), sharding, side.layout, side.stage, counts
+        layout = self.layout
+        self.split_dp = sharding.batch_dim is not None
+        self.split_cp = sharding.seq_dim is not None
+        self.split_tp = sharding.seq_dim is not None and sharding.sequence_parallel
+        self._starts = list(itertools.accumulate(counts, initial=0)) if counts is not None and self.split_dp else None
+        self._sequence_parts = [
+            ((cp, tp), sequence_spans(self.shape[sharding.seq_dim], sharding, layout, Coord(tp=tp, cp=cp, dp=0, pp=0)))
+            for cp in range(layout.cp) for tp in (range(layout.tp) if self.split_tp else (0,))
+        ] if self.split_cp else []
+
+    def key_of(self, coord: Coord) -> tuple[int, int, int]:
+        """The group of a rank at ``coord``: its splitting coordinates, 0 for the others."""
+        return (coord.dp if self.split_dp else 0, coord.cp if self.split_cp else 0, coord.tp if self.split_tp else 0)
+
+    def box(self, key: tuple[int, int, int]) -> Box:
+        """``rank_box`` of the group's ranks, the batch span read off the counts' running sums."""
+        dp, cp, tp = key
+        box = rank_box(self.shape, self.sharding, self.layout, Coord(tp=tp, cp=cp, dp=dp, pp=self.stage or 0))
+        if self._starts is None:
+            return box
+        batch = self.sharding.batch_dim
+        return box[:batch] + (((self._starts[dp], self._starts[dp + 1]),),) + box[batch + 1:]
+
+    def members(self, key: tuple[int, int, int]) -> tuple[int, ...]:
+        """The group's ranks in layout order (dp outermost, then cp, then tp, as ranks are laid out)."""
+        layout, (dp, cp, tp) = self.layout, key
+        return tuple(
+            layout.rank_at(Coord(tp=t, cp=c, dp=d, pp=self.stage or 0))
+            for d in ((dp,) if self.split_dp else range(layout.dp))
+            for c in ((cp,) if self.split_cp else range(layout.cp))
+            for t in ((tp,) if self.split_tp else range(layout.tp))
+        )
+
+    def position(self, key: tuple[int, int, int]) -> int:
+        """Where the group's first member sits in the stage's layout order (replica groups list in it)."""
+        dp, cp, tp = key
+        return (dp * self.layout.cp + cp) * self.layout.tp + tp
+
+    def overlapping(self, box: Box) -> list[tuple[int, int, int]]:
+        """Keys of the groups whose boxes may meet ``box`` (every dim checked by the caller's overlaps)."""
+        sharding = self.sharding
+        dps: list[int] = [0]
+        if self.split_dp:
+            found: set[int] = set()
+            for lo, hi in box[sharding.batch_dim]:
+                if lo < hi:
+                    found.update(range(self._replica_at(lo), self._replica_at(hi - 1) + 1))
+            dps = sorted(found)
+        parts: list[tuple[int, int]] = [(0, 0)]
+        if self.split_cp:
+            wanted = box[sharding.seq_dim]
+            parts = [part for part, spans in self._sequence_parts
+                     if any(max(a, c) < min(b, d) for a, b in spans for c, d in wanted)]
+        return [(dp, cp, tp) for dp in dps for cp, tp in parts]
+
+    def _replica_at(self, index: int) -> int:
+        """The DP replica whose rows hold batch index ``index`` (the last of those ending there, for counts
+        with empty replicas: it is the one that holds the row)."""
+        if self._starts is not None:
+            return bisect.bisect_right(self._starts, index) - 1
+        length, dp = self.shape[self.sharding.batch_dim], self.layout.dp
+        base, extra = divmod(length, dp)
+        if index < extra * (base + 1):
+            return index // (base + 1)
+        return extra + (index - extra * (base + 1)) // base
 
 
 def plan_pieces(
@@ -133,33 +198,40 @@ def plan_pieces(
     first_index: int,
     rows: Rows = Rows(),
 ) -> list[Piece]:
-    """The pieces of one tensor that involve ``rank``, in the order every rank lists them.
+    """The pieces of one tensor that involve ``rank``, in the order every rank lists them (destination
+    groups in layout order, then source groups).
 
-    Only pairs with this rank's own source or destination replica group are intersected, so the
-    cost grows with the number of groups, not with its square.
+    Only this rank's own source and destination replica groups are paired, each with the other side's
+    groups whose boxes meet it (``SideGroups.overlapping``), so the cost grows with what the rank
+    touches, not with the world.
     """
-    src_groups = replica_groups(side_boxes(shape, spec.source, source, rows.source))
-    dst_groups = replica_groups(side_boxes(shape, spec.destination, destination, rows.destination))
+    src, dst = SideGroups(shape, spec.source, source, rows.source), SideGroups(shape, spec.destination, destination, rows.destination)
+    pairs: set[tuple[tuple[int, int, int], tuple[int, int, int]]] = set()
+    src_coord, dst_coord = _active_coord(source, rank), _active_coord(destination, rank)
+    if dst_coord is not None:
+        mine = dst.key_of(dst_coord)
+        pairs.update((mine, other) for other in src.overlapping(dst.box(mine)))
+    if src_coord is not None:
+        mine = src.key_of(src_coord)
+        pairs.update((other, mine) for other in dst.overlapping(src.box(mine)))
     pieces = []
-    for dst_box, dst_ranks in dst_groups:
-        for src_box, src_ranks in src_groups:
-            if rank not in dst_ranks and rank not in src_ranks:
-                continue
-            per_dim = [dim_overlaps(s, d) for s, d in zip(src_box, dst_box)]
-            if not all(per_dim):
-                continue
-            pieces.append(
-                Piece(
-                    index=first_index + len(pieces),
-                    key=key,
-                    dtype=spec.dtype,
-                    blocks=tuple(itertools.product(*per_dim)),
-                    numel=math.prod(sum(run.length for run in runs) for runs in per_dim),
-                    senders=src_ranks,
-                    receivers=tuple(r for r in dst_ranks if r not in src_ranks),
-                    local=tuple(r for r in dst_ranks if r in src_ranks),
-                )
+    for dst_key, src_key in sorted(pairs, key=lambda pair: (dst.position(pair[0]), src.position(pair[1]))):
+        per_dim = [dim_overlaps(s, d) for s, d in zip(src.box(src_key), dst.box(dst_key))]
+        if not all(per_dim):
+            continue
+        src_ranks, dst_ranks = src.members(src_key), dst.members(dst_key)
+        pieces.append(
+            Piece(
+                index=first_index + len(pieces),
+                key=key,
+                dtype=spec.dtype,
+                blocks=tuple(itertools.product(*per_dim)),
+                numel=math.prod(sum(run.length for run in runs) for runs in per_dim),
+                senders=src_ranks,
+                receivers=tuple(r for r in dst_ranks if r not in src_ranks),
+                local=tuple(r for r in dst_ranks if r in src_ranks),
             )
+        )
     return pieces
 
 

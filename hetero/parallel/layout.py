@@ -11,6 +11,7 @@ other tokens too) are the rest of the stage. Everything here is pure arithmetic:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple
@@ -82,11 +83,14 @@ class Layout:
         local = ((coord.pp * self.dp + coord.dp) * self.cp + coord.cp) * self.tp + coord.tp
         return self.ranks[local]
 
+    @functools.cached_property
+    def _local_index(self) -> dict[int, int]:
+        return {rank: local for local, rank in enumerate(self.ranks)}
+
     def coord(self, rank: int) -> Coord | None:
         """The rank's coordinate, or None when the module does not run on ``rank``."""
-        try:
-            local = self.ranks.index(rank)
-        except ValueError:
+        local = self._local_index.get(rank)
+        if local is None:
             return None
         local, tp = divmod(local, self.tp)
         local, cp = divmod(local, self.cp)

@@ -102,11 +102,48 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"hetero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+@dataclass(frozen=True)
+class GroupSpec:
+    """One process group the meshes create: its module, its kind in ``ModuleMesh.groups`` and its ranks
+    in group-rank order. ``shared``: a mesh axis's group, which every module with the same rank list
+    shares; otherwise a group of its own (stage links, gradient syncs, experts)."""
+
+    module: str
+    kind: str
+    members: tuple[int, ...]
+    shared: bool
+
+
+def group_specs(placement: Placement, expert_modules: frozenset[str] = frozenset()) -> list[GroupSpec]:
+    """Every group of every module, in the one order every rank creates them (pure: no processes)."""
+    specs = []
+    for name, layout in placement.layouts.items():
+        for kind, axes in GROUP_AXES.items():
+            specs += [GroupSpec(name, kind, members, True) for members in layout.groups(axes)]
+        if layout.pp > 1:
+            # The stage links' own groups, one per direction and never shared: on NCCL a link's
+            # operations on one communicator run in order, so an activation send queued ahead of a
+            # gradient receive (and its mirror on the neighbour) would wait for each other.
+            specs += [GroupSpec(name, kind, members, False) for members in layout.groups(GROUP_AXES["pp"])
+                      for kind in STAGE_GROUPS]
+        if layout.dp * layout.cp > 1:
+            # The gradient sync's own groups: its buckets leave during the backward, while CP attention
+            # still exchanges K/V on the cp group (the same ranks when dp=1) and other modules' syncs run
+            # on groups of the same ranks; sharing one, two ranks could post them in different orders.
+            specs += [GroupSpec(name, "grad_sync", members, False) for members in layout.groups(GROUP_AXES["dp_cp"])]
+        if name in expert_modules:
+            experts = {"ep": layout.expert_groups() if layout.ep > 1 else [],
+                       "expert_sync": layout.expert_data_groups(),
+                       "rows": layout.groups(("cp", "tp")) if layout.cp * layout.tp > 1 else []}
+            specs += [GroupSpec(name, kind, members, False) for kind, groups in experts.items() for members in groups]
+    return specs
+
+
 def build_module_meshes(
     placement: Placement, timeout_s: float = 300.0, expert_modules: frozenset[str] = frozenset()
 ) -> dict[str, ModuleMesh]:
-    """Create every module's groups on every rank; return the meshes of modules on this rank.
-    ``expert_modules``: the modules with experts, which get ``EXPERT_GROUPS``."""
+    """Create every module's groups on every rank (``group_specs``); return the meshes of modules on
+    this rank. ``expert_modules``: the modules with experts, which get ``EXPERT_GROUPS``."""
     rank = dist.get_rank()
     if dist.get_world_size() != placement.world_size:
         raise ConfigError(
@@ -116,60 +153,33 @@ def build_module_meshes(
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     timeout = timedelta(seconds=timeout_s)
     pool: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-
-    def group_for(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-        # Same iteration order on every rank, so creation order matches. Ranks stay in mesh order
-        # (not sorted) so that a rank's position in the group is its coordinate along the axes.
-        if ranks not in pool:
-            pool[ranks] = dist.new_group(list(ranks), timeout=timeout, sort_ranks=False)
-        return pool[ranks]
-
+    mine: dict[str, dict[str, dist.ProcessGroup]] = {name: {} for name in placement.layouts}
+    mine_ranks: dict[str, dict[str, tuple[int, ...]]] = {name: {} for name in placement.layouts}
+    # Same order on every rank, so creation order matches. Ranks stay in mesh order (not sorted) so that
+    # a rank's position in the group is its coordinate along the axes.
+    for spec in group_specs(placement, expert_modules):
+        if not spec.shared:
+            group = dist.new_group(list(spec.members), timeout=timeout, sort_ranks=False)
+        else:
+            if spec.members not in pool:
+                pool[spec.members] = dist.new_group(list(spec.members), timeout=timeout, sort_ranks=False)
+            group = pool[spec.members]
+        if rank in spec.members:
+            assert group is not None
+            mine[spec.module][spec.kind], mine_ranks[spec.module][spec.kind] = group, spec.members
     meshes = {}
     for name, layout in placement.layouts.items():
-        mine: dict[str, dist.ProcessGroup] = {}
-        mine_ranks: dict[str, tuple[int, ...]] = {}
-        for kind, axes in GROUP_AXES.items():
-            for members in layout.groups(axes):
-                group = group_for(members)
-                if rank in members:
-                    assert group is not None
-                    mine[kind], mine_ranks[kind] = group, members
-        if layout.pp > 1:
-            # The stage links' own groups, one per direction and never shared: on NCCL a link's
-            # operations on one communicator run in order, so an activation send queued ahead of a
-            # gradient receive (and its mirror on the neighbour) would wait for each other.
-            for members in layout.groups(GROUP_AXES["pp"]):
-                for kind in STAGE_GROUPS:
-                    group = dist.new_group(list(members), timeout=timeout, sort_ranks=False)
-                    if rank in members:
-                        mine[kind], mine_ranks[kind] = group, members
-        if layout.dp * layout.cp > 1:
-            # The gradient sync's own groups: its buckets leave during the backward, while CP attention
-            # still exchanges K/V on the cp group (the same ranks when dp=1) and other modules' syncs run
-            # on groups of the same ranks; sharing one, two ranks could post them in different orders.
-            for members in layout.groups(GROUP_AXES["dp_cp"]):
-                group = dist.new_group(list(members), timeout=timeout, sort_ranks=False)
-                if rank in members:
-                    mine["grad_sync"], mine_ranks["grad_sync"] = group, members
-        if name in expert_modules:
-            expert_groups = {"ep": layout.expert_groups() if layout.ep > 1 else [],
-                             "expert_sync": layout.expert_data_groups(),
-                             "rows": layout.groups(("cp", "tp")) if layout.cp * layout.tp > 1 else []}
-            for kind, groups in expert_groups.items():
-                for members in groups:
-                    group = dist.new_group(list(members), timeout=timeout, sort_ranks=False)
-                    if rank in members:
-                        mine[kind], mine_ranks[kind] = group, members
         coord = layout.coord(rank)
         if coord is None:
             continue
+        groups, ranks = mine[name], mine_ranks[name]
         mesh = DeviceMesh.from_group(
-            [mine[axis] for axis in MESH_AXES],
+            [groups[axis] for axis in MESH_AXES],
             device_type,
             mesh=torch.tensor(layout.ranks, device="cpu").reshape(layout.shape),
             mesh_dim_names=MESH_AXES,
         )
-        expert_mesh = (DeviceMesh.from_group(mine["ep"], device_type, mesh=list(mine_ranks["ep"]), mesh_dim_names=("ep",))
-                       if layout.ep > 1 else None)
-        meshes[name] = ModuleMesh(name, layout, coord, mesh, mine, mine_ranks, expert_mesh)
+        expert_mesh = (DeviceMesh.from_group(groups["ep"], device_type, mesh=list(ranks["ep"]), mesh_dim_names=("ep",))
+                       if "ep" in groups else None)
+        meshes[name] = ModuleMesh(name, layout, coord, mesh, groups, ranks, expert_mesh)
     return meshes

@@ -22,7 +22,7 @@ class Placement:
 
     def modules_on(self, rank: int) -> list[str]:
         """Modules that run on ``rank``, in declaration order."""
-        return [name for name, layout in self.layouts.items() if rank in layout.ranks]
+        return [name for name, layout in self.layouts.items() if layout.coord(rank) is not None]
 
     def coord(self, module: str, rank: int) -> Coord | None:
         return self.layouts[module].coord(rank)

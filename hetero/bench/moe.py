@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from hetero.config import OptimizerConfig
 from hetero.data.text import load_stdlib_corpus
+from hetero.kinds.flops import active_ffn_size
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.gpt.moe import MoEFeedForward
 from hetero.runtime import build_runtime
@@ -53,8 +54,7 @@ def active_parameters(config: GPTConfig) -> int:
     """Parameters a token goes through: attention, the MLP or its top_k experts (and router), embeddings."""
     h, d = config.hidden_size, config.head_size
     attention = h * (config.num_heads + 2 * config.kv_heads) * d + config.num_heads * d * h
-    mlp = 3 * h * config.ffn_size if not config.moe else (
-        3 * h * config.expert_size * (config.top_k + config.shared_experts) + h * config.num_experts)
+    mlp = 3 * h * active_ffn_size(config) + (h * config.num_experts if config.moe else 0)
     return config.num_layers * (attention + 2 * h + mlp) + 2 * config.vocab_size * h + h
 
 

@@ -34,13 +34,13 @@ if TYPE_CHECKING:
 
 class _Exchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, receive: list[int], send: list[int], group, counter: "ExpertAllToAll"):
-        ctx.receive, ctx.send, ctx.group, ctx.counter = receive, send, group, counter
-        return counter.exchange(x, receive, send)
+    def forward(ctx, x, receive: list[int], send: list[int], dispatch: "ExpertAllToAll"):
+        ctx.receive, ctx.send, ctx.dispatch = receive, send, dispatch
+        return dispatch.exchange(x, receive, send)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.counter.exchange(grad.contiguous(), ctx.send, ctx.receive), None, None, None, None
+        return ctx.dispatch.exchange(grad.contiguous(), ctx.send, ctx.receive), None, None, None
 
 
 class ExpertAllToAll:
@@ -64,21 +64,21 @@ class ExpertAllToAll:
         host = torch.stack([counts, incoming]).cpu()
         sent, arrived = host[0].view(n, local), host[1].view(n, local)  # [peer, its expert] and [source, my expert]
         send, receive = sent.sum(1).tolist(), arrived.sum(1).tolist()
-        received = _Exchange.apply(x, receive, send, self.group, self)
+        received = _Exchange.apply(x, receive, send, self)
         order = _expert_major(arrived).to(x.device)
         out = experts(received[order], arrived.sum(0).tolist())
         back = torch.empty_like(order)
         back[order] = torch.arange(len(order), device=order.device)
-        return _Exchange.apply(out[back], send, receive, self.group, self)
+        return _Exchange.apply(out[back], send, receive, self)
 
 
 def _expert_major(arrived: torch.Tensor) -> torch.Tensor:
     """Indices that reorder rows laid out source-major (``arrived[s, e]`` rows from source ``s`` for
     expert ``e``) into expert-major order."""
     starts = (arrived.flatten().cumsum(0) - arrived.flatten()).view_as(arrived)
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + arrived[s, e]), dtype=torch.long)
+    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + arrived[s, e]), dtype=torch.long, device="cpu")
               for e in range(arrived.shape[1]) for s in range(arrived.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device="cpu")
 
 
 def shard_experts(experts: Experts, mesh) -> None:

@@ -17,8 +17,12 @@ Per experiment and world:
   ones of every edge's two sides) and every edge, for a microbatch that gives every replica of both sides
   rows, split evenly and, as a multimodal microbatch splits, into random per-replica counts;
 - **plan KB**: the largest pickled plan among those (a boundary caches at most 64 signatures);
-- **groups**: ``new_group`` calls every rank makes at start-up (the modules' groups, ``mesh.group_specs``,
-  identical shared ones once, plus two per edge), and the most groups one rank belongs to;
+- **start-up**: every module's groups (``mesh.build_module_meshes``) and every edge's ``Boundary``,
+  built by the job's own code on sampled ranks (the first and last of every module) of a world of N
+  processes on torch's fake backend: the longest build, the ``new_group`` calls every rank makes, the
+  most groups one rank joins, and the most store requests one rank's gloo groups make at creation, by
+  torch's default (eager) and as the job makes them (``mesh.connect_gloo_lazily``; first use adds two per
+  peer), by the counts ``tests/test_startup_store.py`` measures on real gloo;
 - **layout**: ``hetero layout``'s rank map: build time and JSON size;
 - **plan search**: ``hetero plan``'s search for the VLMs on a cluster of N/8 nodes of 8 GPUs.
 """
@@ -33,10 +37,15 @@ import random
 import statistics
 import time
 
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
 from hetero.config import ExperimentConfig, experiment_from_dict
 from hetero.graph import build_graph
+from hetero.parallel.boundary import Boundary
 from hetero.parallel.boundary_plan import Rows, Side, TensorSpec, rank_plan
-from hetero.parallel.mesh import group_specs
+from hetero.parallel.mesh import build_module_meshes
 from hetero.parallel.rank_map import rank_map
 
 REPEATS = 3  # a plan timed three times, its median kept: one run can take a garbage-collection pause
@@ -114,23 +123,60 @@ def edge_plans(graph, samples: int, rng: random.Random) -> tuple[float, int, int
     return worst_ms, worst_bytes, timed
 
 
-def group_counts(graph) -> tuple[int, int]:
-    """(new_group calls on every rank, the most groups one rank belongs to), boundaries' two each included."""
-    specs = group_specs(graph.placement, frozenset(n for n, node in graph.nodes.items()
-                                                   if node.kind.expert_parallel(node.config)))
-    created = len({s.members for s in specs if s.shared}) + sum(not s.shared for s in specs) + 2 * len(graph.edges)
-    joined = [0] * graph.placement.world_size
-    for members in {s.members for s in specs if s.shared}:
-        for r in members:
-            joined[r] += 1
-    for s in specs:
-        if not s.shared:
-            for r in s.members:
-                joined[r] += 1
-    for edge in graph.edges:
-        for r in set(graph.nodes[edge.src].layout.ranks) | set(graph.nodes[edge.dst].layout.ranks):
-            joined[r] += 2
-    return created, max(joined)
+def gloo_store_requests(group_sizes: list[int]) -> int:
+    """Store requests one rank makes to join gloo groups of these sizes eagerly (torch's default): its
+    address set, then a wait and a get for every member's, itself included (torch 2.13)."""
+    return sum(2 * size + 1 for size in group_sizes)
+
+
+def lazy_gloo_store_requests(groups: int, peers: int) -> int:
+    """The same under ``mesh.connect_gloo_lazily`` (the job's mode): one per group, two per peer connected."""
+    return groups + 2 * peers
+
+
+def opening_peers(boundary: Boundary, rank: int) -> int:
+    """The peers a boundary's opening handshake (``Wire.open``, a ring over each link group) connects."""
+    peers = 0
+    for group in {id(g): g for g in boundary.wire.groups.values()}.values():
+        members = dist.get_process_group_ranks(group)
+        if rank in members and len(members) > 1:
+            at = members.index(rank)
+            peers += len({members[(at + 1) % len(members)], members[at - 1]})
+    return peers
+
+
+def joined_groups() -> list[dict[int, int]]:
+    """The rank maps of the groups this rank belongs to, the world's apart. torch keeps one more map under
+    ``NON_GROUP_MEMBER``, the last group it was not in."""
+    world = distributed_c10d._get_default_group()
+    return [members for group, members in distributed_c10d._world.pg_group_ranks.items()
+            if isinstance(group, dist.ProcessGroup) and group is not world]
+
+
+def startup(graph, timeout_s: float = 60.0) -> dict:
+    """The job's group and boundary construction on sampled ranks of a fake world of the graph's size."""
+    world = graph.placement.world_size
+    experts = frozenset(n for n, node in graph.nodes.items() if node.kind.expert_parallel(node.config))
+    ranks = sorted({r for node in graph.nodes.values() for r in (node.layout.ranks[0], node.layout.ranks[-1])})
+    worst = {"startup_s": 0.0, "groups_created": 0, "groups_joined": 0, "gloo_eager": 0, "gloo_lazy": 0}
+    for rank in ranks:
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        try:
+            started = time.perf_counter()
+            build_module_meshes(graph.placement, timeout_s, experts)
+            boundaries = [Boundary(edge.name, Side(graph.nodes[edge.src].layout), Side(graph.nodes[edge.dst].layout),
+                                   TensorSpec(3, source=edge.source, destination=edge.destination), timeout_s=timeout_s)
+                          for edge in graph.edges]
+            elapsed = time.perf_counter() - started
+            joined = [len(members) for members in joined_groups()]
+            peers = sum(opening_peers(boundary, rank) for boundary in boundaries)
+            figures = {"startup_s": elapsed, "groups_created": distributed_c10d._world.group_count - 1,  # the world is the first
+                       "groups_joined": len(joined), "gloo_eager": gloo_store_requests(joined),
+                       "gloo_lazy": lazy_gloo_store_requests(len(joined), peers)}
+        finally:
+            dist.destroy_process_group()
+        worst = {k: max(v, figures[k]) for k, v in worst.items()}
+    return worst
 
 
 def planner_seconds(experiment: ExperimentConfig, world: int) -> float | None:
@@ -159,13 +205,12 @@ def measure(worlds: list[int], samples: int, seed: int = 0) -> list[dict]:
             graph = build_graph(experiment)
             build_s = time.perf_counter() - started
             plan_ms, plan_bytes, timed = edge_plans(graph, samples, rng)
-            created, joined = group_counts(graph)
+            groups = startup(graph)
             started = time.perf_counter()
             description = json.dumps(rank_map(experiment, graph.placement))
             layout_s = time.perf_counter() - started
             rows.append({"world": world, "experiment": label, "graph_s": build_s, "plan_ms": plan_ms,
-                         "plans_timed": timed, "plan_kb": plan_bytes / 1024, "groups_created": created,
-                         "groups_joined": joined, "layout_s": layout_s, "layout_mb": len(description) / 2**20,
+                         "plans_timed": timed, "plan_kb": plan_bytes / 1024, **groups, "layout_s": layout_s, "layout_mb": len(description) / 2**20,
                          "planner_s": planner_seconds(experiment, world)})
     return rows
 
@@ -175,12 +220,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--samples", type=int, default=8, help="random ranks per side of each edge, besides the ends")
     args = parser.parse_args(argv)
-    print("world | experiment | build s | plan ms (max) | plans | plan KB | groups created | joined | "
-          "layout s | layout MB | plan search s")
+    print("world | experiment | build s | plan ms (max) | plans | plan KB | start-up s | groups created | joined | "
+          "gloo store requests eager | lazy | layout s | layout MB | plan search s")
     for r in measure(args.worlds, args.samples):
         search = f"{r['planner_s']:.2f}" if r["planner_s"] is not None else "n/a"
         print(f"{r['world']:5d} | {r['experiment']:31s} | {r['graph_s']:7.2f} | {r['plan_ms']:13.2f} | "
-              f"{r['plans_timed']:5d} | {r['plan_kb']:7.1f} | {r['groups_created']:14d} | {r['groups_joined']:6d} | "
+              f"{r['plans_timed']:5d} | {r['plan_kb']:7.1f} | {r['startup_s']:10.2f} | {r['groups_created']:14d} | "
+              f"{r['groups_joined']:6d} | {r['gloo_eager']:25d} | {r['gloo_lazy']:4d} | "
               f"{r['layout_s']:8.2f} | {r['layout_mb']:9.2f} | {search}", flush=True)
 
 

@@ -50,6 +50,7 @@ BENCHMARKS = {
     "boundary": "hetero.bench.boundary",
     "compression": "hetero.bench.compression",
     "cp-attention": "hetero.bench.cp_attention",
+    "dechunk": "hetero.bench.dechunk",
     "genezip": "hetero.bench.genezip",
     "hf-load": "hetero.bench.hf_load",
     "graph": "hetero.bench.graph",

@@ -27,6 +27,15 @@ def test_overhead_benchmark_reports_a_ratio():
     assert "largest loss difference 0.00e+00" in done.stdout  # same model, same data, same losses
 
 
+def test_dechunk_benchmark_times_the_scan_beside_the_loop():
+    done = subprocess.run(["hetero", "bench", "dechunk", "--lengths", "8", "100", "--batch", "2", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split("|") for line in done.stdout.splitlines()[1:]]
+    assert [int(row[0]) for row in rows] == [8, 100]
+    assert all(float(row[-1]) <= 1e-6 for row in rows)  # the scan's states match the loop's
+
+
 def test_boundary_benchmark_passes_its_checks():
     done = subprocess.run(["hetero", "bench", "boundary"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,22 +1,20 @@
-"""Store requests at start-up, counted on real gloo groups: the figures ``hetero bench scale`` reports for
-a simulated world rest on these counts (``gloo_store_requests`` eagerly; one per group when lazy)."""
+"""Store requests at start-up, counted on real gloo groups: the figure ``hetero bench scale`` reports for a
+simulated world rests on this count (``gloo_store_requests``)."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from datetime import timedelta
 
-import pytest
 import torch.distributed as dist
 
-from hetero.bench.scale import gloo_store_requests, joined_groups, lazy_gloo_store_requests, opening_peers
+from hetero.bench.scale import gloo_store_requests, joined_groups
 from hetero.graph import build_graph
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.vit.config import ViTConfig
 from hetero.parallel.boundary import Boundary
 from hetero.parallel.boundary_plan import Side, TensorSpec
-from hetero.parallel.mesh import build_module_meshes, connect_gloo_lazily
+from hetero.parallel.mesh import build_module_meshes
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 
@@ -66,12 +64,8 @@ class CountingStore(dist.Store):
         return self.inner.set_timeout(timeout)
 
 
-def startup_requests(rank: int, world: int, path: str, lazy: bool) -> tuple[int, list[int], int]:
-    """(store requests the job's groups and boundaries made here, sizes of the groups this rank joined,
-    peers the boundaries' opening handshake connected)."""
-    os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
-    if lazy:
-        connect_gloo_lazily()  # the job's switch
+def startup_requests(rank: int, world: int, path: str) -> tuple[int, list[int]]:
+    """(store requests the job's groups and boundaries made here, sizes of the groups this rank joined)."""
     dist.destroy_process_group()  # the harness's world: this test's world counts its store
     store = CountingStore(dist.FileStore(path, world))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -81,27 +75,22 @@ def startup_requests(rank: int, world: int, path: str, lazy: bool) -> tuple[int,
     graph = build_graph(config)
     before = sum(store.requests.values())
     build_module_meshes(graph.placement, 60.0)
-    peers = 0
     for edge in graph.edges:
-        boundary = Boundary(edge.name, Side(graph.nodes[edge.src].layout), Side(graph.nodes[edge.dst].layout),
-                            TensorSpec(3, source=edge.source, destination=edge.destination), timeout_s=60.0)
-        peers += opening_peers(boundary, rank)
+        Boundary(edge.name, Side(graph.nodes[edge.src].layout), Side(graph.nodes[edge.dst].layout),
+                 TensorSpec(3, source=edge.source, destination=edge.destination), timeout_s=60.0)
     made = sum(store.requests.values()) - before
     joined = sorted(len(members) for members in joined_groups())
     dist.destroy_process_group()  # a plain world again, for the harness's closing barrier
     dist.init_process_group("gloo", init_method=f"file://{path}.closing", rank=rank, world_size=world)
-    return made, joined, peers
+    return made, joined
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_store_requests_follow_the_groups_joined(tmp_path, lazy):
-    results = run_ranks(startup_requests, 4, str(tmp_path / "store"), lazy)
-    for rank, (made, joined, peers) in enumerate(results):
+def test_store_requests_follow_the_groups_joined(tmp_path):
+    """Each rank's requests grow with the groups it joins (none for the groups it only names)."""
+    results = run_ranks(startup_requests, 4, str(tmp_path / "store"))
+    for rank, (made, joined) in enumerate(results):
         assert joined, f"rank {rank} joined no group"
-        if lazy:
-            assert made == lazy_gloo_store_requests(len(joined), peers), (rank, made, joined, peers)
-        else:
-            assert made == gloo_store_requests(joined), (rank, made, joined)
+        assert made == gloo_store_requests(joined), (rank, made, joined)
 
 
 def test_bench_scale_builds_the_job_s_groups_on_a_fake_world():
@@ -111,4 +100,4 @@ def test_bench_scale_builds_the_job_s_groups_on_a_fake_world():
     assert not dist.is_initialized()  # each sampled rank's fake world is gone
     for row in rows:
         assert 0 < row["groups_joined"] <= row["groups_created"], row
-        assert row["groups_joined"] < row["gloo_lazy"] < row["gloo_eager"], row
+        assert row["gloo_store_requests"] > 2 * row["groups_joined"], row

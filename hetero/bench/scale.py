@@ -20,9 +20,8 @@ Per experiment and world:
 - **start-up**: every module's groups (``mesh.build_module_meshes``) and every edge's ``Boundary``,
   built by the job's own code on sampled ranks (the first and last of every module) of a world of N
   processes on torch's fake backend: the longest build, the ``new_group`` calls every rank makes, the
-  most groups one rank joins, and the most store requests one rank's gloo groups make at creation, by
-  torch's default (eager) and as the job makes them (``mesh.connect_gloo_lazily``; first use adds two per
-  peer), by the counts ``tests/test_startup_store.py`` measures on real gloo;
+  most groups one rank joins, and the most store requests one rank's gloo groups make at creation
+  (``gloo_store_requests``, the count ``tests/test_startup_store.py`` measures on real gloo);
 - **layout**: ``hetero layout``'s rank map: build time and JSON size;
 - **plan search**: ``hetero plan``'s search for the VLMs on a cluster of N/8 nodes of 8 GPUs.
 """
@@ -124,25 +123,11 @@ def edge_plans(graph, samples: int, rng: random.Random) -> tuple[float, int, int
 
 
 def gloo_store_requests(group_sizes: list[int]) -> int:
-    """Store requests one rank makes to join gloo groups of these sizes eagerly (torch's default): its
-    address set, then a wait and a get for every member's, itself included (torch 2.13)."""
+    """Store requests one rank makes to join gloo groups of these sizes: its address set, then a wait and
+    a get for every member's, itself included (torch 2.13). Gloo's lazy connections
+    (``TORCH_GLOO_LAZY_INIT=1``: one request a group, two a peer at first use) would follow the peers a
+    rank talks to instead, but a compressed full-graph step deadlocks under them (measured)."""
     return sum(2 * size + 1 for size in group_sizes)
-
-
-def lazy_gloo_store_requests(groups: int, peers: int) -> int:
-    """The same under ``mesh.connect_gloo_lazily`` (the job's mode): one per group, two per peer connected."""
-    return groups + 2 * peers
-
-
-def opening_peers(boundary: Boundary, rank: int) -> int:
-    """The peers a boundary's opening handshake (``Wire.open``, a ring over each link group) connects."""
-    peers = 0
-    for group in {id(g): g for g in boundary.wire.groups.values()}.values():
-        members = dist.get_process_group_ranks(group)
-        if rank in members and len(members) > 1:
-            at = members.index(rank)
-            peers += len({members[(at + 1) % len(members)], members[at - 1]})
-    return peers
 
 
 def joined_groups() -> list[dict[int, int]]:
@@ -158,21 +143,19 @@ def startup(graph, timeout_s: float = 60.0) -> dict:
     world = graph.placement.world_size
     experts = frozenset(n for n, node in graph.nodes.items() if node.kind.expert_parallel(node.config))
     ranks = sorted({r for node in graph.nodes.values() for r in (node.layout.ranks[0], node.layout.ranks[-1])})
-    worst = {"startup_s": 0.0, "groups_created": 0, "groups_joined": 0, "gloo_eager": 0, "gloo_lazy": 0}
+    worst = {"startup_s": 0.0, "groups_created": 0, "groups_joined": 0, "gloo_store_requests": 0}
     for rank in ranks:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
         try:
             started = time.perf_counter()
             build_module_meshes(graph.placement, timeout_s, experts)
-            boundaries = [Boundary(edge.name, Side(graph.nodes[edge.src].layout), Side(graph.nodes[edge.dst].layout),
-                                   TensorSpec(3, source=edge.source, destination=edge.destination), timeout_s=timeout_s)
-                          for edge in graph.edges]
+            for edge in graph.edges:
+                Boundary(edge.name, Side(graph.nodes[edge.src].layout), Side(graph.nodes[edge.dst].layout),
+                         TensorSpec(3, source=edge.source, destination=edge.destination), timeout_s=timeout_s)
             elapsed = time.perf_counter() - started
             joined = [len(members) for members in joined_groups()]
-            peers = sum(opening_peers(boundary, rank) for boundary in boundaries)
             figures = {"startup_s": elapsed, "groups_created": distributed_c10d._world.group_count - 1,  # the world is the first
-                       "groups_joined": len(joined), "gloo_eager": gloo_store_requests(joined),
-                       "gloo_lazy": lazy_gloo_store_requests(len(joined), peers)}
+                       "groups_joined": len(joined), "gloo_store_requests": gloo_store_requests(joined)}
         finally:
             dist.destroy_process_group()
         worst = {k: max(v, figures[k]) for k, v in worst.items()}
@@ -221,12 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=8, help="random ranks per side of each edge, besides the ends")
     args = parser.parse_args(argv)
     print("world | experiment | build s | plan ms (max) | plans | plan KB | start-up s | groups created | joined | "
-          "gloo store requests eager | lazy | layout s | layout MB | plan search s")
+          "gloo store requests | layout s | layout MB | plan search s")
     for r in measure(args.worlds, args.samples):
         search = f"{r['planner_s']:.2f}" if r["planner_s"] is not None else "n/a"
         print(f"{r['world']:5d} | {r['experiment']:31s} | {r['graph_s']:7.2f} | {r['plan_ms']:13.2f} | "
               f"{r['plans_timed']:5d} | {r['plan_kb']:7.1f} | {r['startup_s']:10.2f} | {r['groups_created']:14d} | "
-              f"{r['groups_joined']:6d} | {r['gloo_eager']:25d} | {r['gloo_lazy']:4d} | "
+              f"{r['groups_joined']:6d} | {r['gloo_store_requests']:19d} | "
               f"{r['layout_s']:8.2f} | {r['layout_mb']:9.2f} | {search}", flush=True)
 
 

@@ -60,15 +60,6 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def connect_gloo_lazily() -> None:
-    """Gloo groups created from now on connect a pair of members at its first message instead of every
-    pair at creation (torch reads the switch as each group is made). A rank's store requests at start-up
-    then follow the peers it talks to, not the sizes of its groups: measured on torch 2.13, a group of k
-    costs 2k+1 requests eagerly, 1 lazily and 2 more per peer at first use; a colocated boundary spans the
-    world. A value the user set stays."""
-    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
-
-
 def init_distributed(placement: Placement, backend: str = "auto", timeout_s: float = 300.0) -> int:
     """Join the launcher's world (torchrun / SLURM environment) after checking its size; return rank."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -79,7 +70,6 @@ def init_distributed(placement: Placement, backend: str = "auto", timeout_s: flo
             f"(times nodes) or change the layouts"
         )
     backend = resolve_backend(backend)
-    connect_gloo_lazily()
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -96,7 +86,6 @@ def init_distributed(placement: Placement, backend: str = "auto", timeout_s: flo
 
 def init_single_process(timeout_s: float = 300.0) -> None:
     """A world of this process alone (gloo over a file store), for single-process runs of the runtime."""
-    connect_gloo_lazily()
     if not dist.is_initialized():
         handle, path = tempfile.mkstemp(prefix="hetero-world-")
         os.close(handle)

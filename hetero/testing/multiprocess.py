@@ -62,13 +62,10 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
-    from hetero.parallel.mesh import connect_gloo_lazily
-
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    connect_gloo_lazily()  # as the job does
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 2.0), exit=False)
     try:
         dist.init_process_group(

@@ -114,13 +114,19 @@ def bound_boundaries(boundary: torch.Tensor, window: int, floor: int, ceiling: i
 
 
 def smooth_chunks(states: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
-    """EMA over chunks: ``s_j = P_j z_j + (1 - P_j) s_{j-1}`` with ``P_j`` a chunk's boundary probability."""
+    """EMA over chunks: ``s_j = P_j z_j + (1 - P_j) s_{j-1}`` with ``P_j`` a chunk's boundary probability.
+
+    An inclusive scan of the affine maps ``s -> (1 - P_j) s + P_j z_j`` in log2(chunks) vectorised steps:
+    step k composes each map with the one 2^k chunks earlier. Only products of factors in [0, 1] appear
+    (no division by a vanishing cumulative product, and P_0 = 1 is allowed)."""
     rate = rate.unsqueeze(-1).to(states.dtype)
-    smoothed, previous = [], torch.zeros_like(states[:, 0])
-    for j in range(states.shape[1]):
-        previous = rate[:, j] * states[:, j] + (1 - rate[:, j]) * previous
-        smoothed.append(previous)
-    return torch.stack(smoothed, dim=1)
+    decay, value = 1 - rate, rate * states
+    shift = 1
+    while shift < states.shape[1]:
+        value = value + decay * F.pad(value[:, :-shift], (0, 0, shift, 0))
+        decay = decay * F.pad(decay[:, :-shift], (0, 0, shift, 0), value=1.0)
+        shift *= 2
+    return value
 
 
 def straight_through(confidence: torch.Tensor) -> torch.Tensor:

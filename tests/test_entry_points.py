@@ -90,11 +90,12 @@ def test_video_memory_benchmark_prints_every_policy(tmp_path):
 
 def test_genezip_benchmark_prints_every_model(tmp_path):
     """Tiny budgets: genome shards, the three models trained, two held-out batches evaluated; a row per
-    model with its BPT per region and the floor check."""
+    model with its BPT per region and the floor check; the targets sweep (GeneZip at two more ratios),
+    trained two at a time."""
     done = subprocess.run(
         ["hetero", "bench", "genezip", "--steps", "2", "--window", "512", "--hidden", "16", "--main-layers", "1",
          "--encoder-layers", "1", "--local-window", "16", "--batch", "2", "--seeds", "0", "--eval-batches", "2",
-         "--data", str(tmp_path)],
+         "--jobs", "2", "--data", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -102,3 +103,6 @@ def test_genezip_benchmark_prints_every_model(tmp_path):
             if line.split() and line.split()[0] in ("genezip", "hnet", "fixed")}
     assert set(rows) == {"genezip", "hnet", "fixed"}
     assert "yes" in rows["fixed"]  # a token every 4 bases: 16 per 64-base window, above the floor of 4
+    sweep = done.stdout.split("targets sweep")[1].splitlines()[2:]
+    assert [line.split()[0] for line in sweep if line.strip()] == ["1.5", "2", "3"]
+    assert "(11.09)" in sweep[2]  # intergenic at 3 × coding, at an average of 4 bases per token

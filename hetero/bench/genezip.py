@@ -1,6 +1,7 @@
 """GeneZip against H-Net with one ratio target and against fixed-stride chunking, on held-out real DNA.
 
-    hetero bench genezip [--steps 600] [--target-bpt 4] [--intergenic-ratio 2] [--seeds 0 1]
+    hetero bench genezip [--steps 600] [--target-bpt 4] [--intergenic-ratio 2] [--sweep 1.5 3] [--seeds 0 1]
+                         [--jobs 2]
 
 Data: a bacterial chromosome that ships in pyrodigal's wheel, coding/intergenic labels from pyrodigal's gene
 calls (``hetero.data.genome``); the last 10% of the chromosome is held out. Three models with the same
@@ -12,17 +13,24 @@ blocks, widths, steps, batches and seed, at the same average bases per token (BP
 - ``fixed``: a token every ``--target-bpt`` bases (no router).
 
 Annotations enter only GeneZip's ratio loss in training; evaluation routes raw DNA. Reported on every
-held-out window: bits per base of next-base prediction (overall and per region), the achieved BPT per
-region against its target, and the fewest chunk starts in any routing window and any sequence (the
-floor is ``--min-boundaries`` per window of ``--routing-window`` bases).
+held-out window, as mean ± std over seeds: bits per base of next-base prediction (overall and per region),
+the achieved BPT per region against its target, and the fewest chunk starts in any routing window and any
+sequence (the floor is ``--min-boundaries`` per window of ``--routing-window`` bases). The targets sweep
+trains GeneZip alone at each ``--sweep`` intergenic/coding ratio (the same average BPT, every seed) and
+reports each region's achieved BPT against its target. ``--jobs`` trains that many models at once, one
+process each with the cores divided evenly (the runs are independent).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
+import os
+import statistics
 import time
-from dataclasses import replace
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -67,6 +75,29 @@ def train(config: GeneZipConfig, data: GenomeWindows, steps: int, lr: float, see
     return model, losses
 
 
+@dataclass(frozen=True)
+class Run:
+    """One model to train and evaluate: a variant at an intergenic/coding ratio, from one seed."""
+
+    name: str
+    ratio: float
+    seed: int
+    config: GeneZipConfig
+
+
+def train_and_evaluate(run: Run, args: argparse.Namespace, threads: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    train_data = GenomeWindows(args.data, "train", args.batch, run.seed)
+    heldout = GenomeWindows(args.data, "heldout", 64)
+    started = time.perf_counter()
+    model, losses = train(run.config, train_data, args.steps, args.lr, run.seed)
+    result = heldout_metrics(model, itertools.islice(heldout.ordered_batches(), args.eval_batches or None))
+    result["params"] = float(sum(p.numel() for p in model.parameters()))
+    result["seconds"] = time.perf_counter() - started
+    result["train_bits_per_base"] = float(bits_per_base(torch.tensor(losses[-50:]).mean()))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetero bench genezip", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-bpt", type=float, default=4.0, help="average bases per token of every model")
     parser.add_argument("--intergenic-ratio", type=float, default=2.0,
                         help="GeneZip's intergenic BPT target over its coding target")
+    parser.add_argument("--sweep", type=float, nargs="*", default=[1.5, 3.0],
+                        help="further intergenic/coding ratios at which GeneZip alone trains")
     parser.add_argument("--routing-window", type=int, default=64)
     parser.add_argument("--min-boundaries", type=int, default=4, help="the routing floor per routing window")
     parser.add_argument("--max-boundaries", type=int, default=0, help="the routing ceiling (0: none)")
@@ -87,63 +120,103 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--jobs", type=int, default=1, help="models trained at once, one process each")
     parser.add_argument("--data", default="data/genome")
     parser.add_argument("--eval-batches", type=int, default=0,
                         help="held-out batches of 64 windows to evaluate (0: the whole held-out split)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     manifest = ensure_genome_shards(args.data, GenomeOptions(window=args.window))
     coding_fraction = manifest["meta"]["coding_fraction"]["train"]
-    targets = region_targets(args.target_bpt, args.intergenic_ratio, coding_fraction)
     base = GeneZipConfig(
         seq_len=args.window, hidden_size=args.hidden, encoder_layers=args.encoder_layers,
         decoder_layers=args.encoder_layers, main_layers=args.main_layers, local_window=args.local_window,
         target_bpt=args.target_bpt, ratio_weight=args.ratio_weight, routing_window=args.routing_window,
         min_boundaries=args.min_boundaries, max_boundaries=args.max_boundaries,
     )
+    targets = region_targets(args.target_bpt, args.intergenic_ratio, coding_fraction)
     configs = variant_configs(base, targets)
-    heldout = GenomeWindows(args.data, "heldout", 64)
     print(f"train coding fraction {coding_fraction:.3f}; GeneZip targets "
           + ", ".join(f"{k} {v:.2f}" for k, v in targets.items()) + f"; others {args.target_bpt:g} everywhere")
-    rows: dict[str, list[dict[str, float]]] = {name: [] for name in args.variants}
-    for seed in args.seeds:
-        train_data = GenomeWindows(args.data, "train", args.batch, seed)
-        for name in args.variants:
-            started = time.perf_counter()
-            model, losses = train(configs[name], train_data, args.steps, args.lr, seed)
-            result = heldout_metrics(model, itertools.islice(heldout.ordered_batches(), args.eval_batches or None))
-            result["params"] = float(sum(p.numel() for p in model.parameters()))
-            result["seconds"] = time.perf_counter() - started
-            rows[name].append(result)
-            print(f"seed {seed} {name}: final train {bits_per_base(torch.tensor(losses[-50:]).mean()):.4f} "
-                  f"bits/base, held-out {result['bits_per_base']:.4f}, {result['seconds']:.0f} s", flush=True)
+    runs = [Run(name, args.intergenic_ratio, seed, configs[name]) for seed in args.seeds for name in args.variants]
+    runs += [Run("genezip", ratio, seed, replace(base, region_bpt=region_targets(args.target_bpt, ratio, coding_fraction)))
+             for ratio in args.sweep if ratio != args.intergenic_ratio for seed in args.seeds]
+    results = run_all(runs, args)
+    rows = {name: [result for run, result in zip(runs, results) if run.name == name and run.ratio == args.intergenic_ratio]
+            for name in args.variants}
     print_table(rows, configs, args)
+    if "genezip" in args.variants:
+        print_sweep(runs, results, args)
     return 0
 
 
-def print_table(rows: dict[str, list[dict[str, float]]], configs: dict[str, GeneZipConfig], args) -> None:
-    def mean(name: str, key: str) -> float:
-        return sum(r[key] for r in rows[name]) / len(rows[name])
+def run_all(runs: list[Run], args: argparse.Namespace) -> list[dict[str, float]]:
+    """Every run's held-out metrics in order, ``args.jobs`` at a time, each printed as it ends."""
+    jobs = max(1, min(args.jobs, len(runs)))
+    threads = max(1, (os.cpu_count() or 1) // jobs)
 
-    print(f"\nheld-out DNA, {len(args.seeds)} seed(s), {args.steps} steps; BPT achieved (target)")
-    header = f"{'model':8} {'params':>7} {'bits/base':>9} " + " ".join(f"{'bits ' + r:>16}" for r in REGIONS)
-    header += " " + " ".join(f"{'BPT ' + r:>20}" for r in REGIONS) + f" {'BPT':>6} {'floor ok':>9}"
+    def report(run: Run, result: dict[str, float]) -> None:
+        print(f"seed {run.seed} {run.name} (ratio {run.ratio:g}): final train {result['train_bits_per_base']:.4f} "
+              f"bits/base, held-out {result['bits_per_base']:.4f}, BPT intergenic {result['bpt.intergenic']:.2f} "
+              f"coding {result['bpt.coding']:.2f}, {result['seconds']:.0f} s", flush=True)
+
+    results = []
+    if jobs == 1:
+        for run in runs:
+            results.append(train_and_evaluate(run, args, threads))
+            report(run, results[-1])
+        return results
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(train_and_evaluate, run, args, threads) for run in runs]
+        for run, future in zip(runs, futures):
+            results.append(future.result())
+            report(run, results[-1])
+    return results
+
+
+def spread(values: list[float], digits: int) -> str:
+    """``mean ± std`` over seeds (the sample std; just the mean for one seed)."""
+    mean = statistics.fmean(values)
+    return f"{mean:.{digits}f}" + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+
+
+def print_table(rows: dict[str, list[dict[str, float]]], configs: dict[str, GeneZipConfig], args) -> None:
+    print(f"\nheld-out DNA, {len(args.seeds)} seed(s), {args.steps} steps; mean ± std over seeds; BPT achieved (target)")
+    header = f"{'model':8} {'params':>7} {'bits/base':>17} " + " ".join(f"{'bits ' + r:>17}" for r in REGIONS)
+    header += " " + " ".join(f"{'BPT ' + r:>22}" for r in REGIONS) + f" {'BPT':>13} {'floor ok':>9}"
     print(header)
     floor = args.min_boundaries
-    for name in rows:
+    for name, results in rows.items():
         targets = configs[name].region_targets()
-        line = f"{name:8} {mean(name, 'params'):7.0f} {mean(name, 'bits_per_base'):9.4f} "
-        line += " ".join(f"{mean(name, 'bits.' + r):16.4f}" for r in REGIONS) + " "
-        line += " ".join(f"{mean(name, 'bpt.' + r):12.2f} ({float(targets[i]):5.2f})" for i, r in enumerate(REGIONS))
-        fewest = min(r["fewest_per_window"] for r in rows[name])
-        line += f" {mean(name, 'bpt'):6.2f} {'yes' if fewest >= floor else 'NO':>5} ({fewest:.0f})"
+        column = lambda key, digits: spread([r[key] for r in results], digits)  # noqa: E731
+        line = f"{name:8} {results[0]['params']:7.0f} {column('bits_per_base', 4):>17} "
+        line += " ".join(f"{column('bits.' + r, 4):>17}" for r in REGIONS) + " "
+        line += " ".join(f"{column('bpt.' + r, 2):>14} ({float(targets[i]):5.2f})" for i, r in enumerate(REGIONS))
+        fewest = min(r["fewest_per_window"] for r in results)
+        line += f" {column('bpt', 2):>13} {'yes' if fewest >= floor else 'NO':>5} ({fewest:.0f})"
         print(line)
     if "genezip" in rows:
         for i, region in enumerate(REGIONS):
             target = float(configs["genezip"].region_targets()[i])
-            off = mean("genezip", f"bpt.{region}") / target - 1
-            print(f"GeneZip's {region} BPT is {off:+.1%} off its target {target:.2f}")
+            offs = [r[f"bpt.{region}"] / target - 1 for r in rows["genezip"]]
+            print(f"GeneZip's {region} BPT is off its target {target:.2f} by "
+                  + ", ".join(f"{off:+.1%}" for off in offs) + " (per seed)")
+
+
+def print_sweep(runs: list[Run], results: list[dict[str, float]], args) -> None:
+    ratios = sorted({run.ratio for run in runs if run.name == "genezip"})
+    print(f"\nGeneZip's targets sweep at average BPT {args.target_bpt:g}, mean over {len(args.seeds)} seed(s): "
+          "achieved (target), off")
+    print(f"{'ratio':>5} " + " ".join(f"{'BPT ' + r:>30}" for r in REGIONS) + f" {'BPT':>6} {'bits/base':>9}")
+    for ratio in ratios:
+        swept = [(run, result) for run, result in zip(runs, results) if run.name == "genezip" and run.ratio == ratio]
+        chosen, targets = [result for _, result in swept], swept[0][0].config.region_targets()
+        line = f"{ratio:5g} "
+        for i, region in enumerate(REGIONS):
+            achieved = statistics.fmean(r[f"bpt.{region}"] for r in chosen)
+            line += f"{achieved:>14.2f} ({float(targets[i]):5.2f}) {achieved / float(targets[i]) - 1:+7.1%} "
+        line += f"{statistics.fmean(r['bpt'] for r in chosen):6.2f} {statistics.fmean(r['bits_per_base'] for r in chosen):9.4f}"
+        print(line)
 
 
 if __name__ == "__main__":

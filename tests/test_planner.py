@@ -12,9 +12,9 @@ from hetero.graph import build_graph
 from hetero.errors import ConfigError
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.plan.cluster import ClusterSpec, DeviceSpec, LinkSpec, cluster_from_dict, load_cluster
-from hetero.plan.cost import GIB, Choice, CostModel, allreduce_s, describe
+from hetero.plan.cost import GIB, Choice, CostModel, allreduce_s, describe, stacked_forward_flops
 from hetero.plan.report import heterogeneous_gain
-from hetero.plan.search import Planner, gradient_wire_ratio, predict_configured, workload_of
+from hetero.plan.search import Planner, gradient_wire_ratio, graph_pipeline_s, predict_configured, workload_of
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
 
 LLAMA_7B = GPTConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=11008, seq_len=4096)
@@ -124,8 +124,13 @@ def test_predict_configured_modes():
     experiment = load_experiment("mixed_vlm")
     with pytest.raises(ConfigError, match="overlapping"):
         predict_configured(experiment, build_graph(experiment).placement, cluster)
-    with pytest.raises(ConfigError, match=r"one gpt module fed by vit encoders \(and their projectors\); this experiment has video: video"):
+    with pytest.raises(ConfigError, match=r"one gpt module, the vit, projector and genezip modules that feed it and "
+                                          r"the video modules it conditions; this experiment has video: video"):
         workload_of(load_experiment("video"))
+    unfed = load_experiment("full_graph")
+    unfed.edges = [e for e in unfed.edges if e.src != "dna"]
+    with pytest.raises(ConfigError, match=r"encoders whose edges lead into llm .*; dna \(genezip\) is not placed so"):
+        workload_of(unfed)
 
 
 def test_plan_cli_table_json_and_plot(tmp_path, capsys):
@@ -218,3 +223,80 @@ def test_the_shipped_qwen_shaped_vlms_plan_on_their_clusters():
             assert 0 < found[0].tflops_per_gpu < cluster.device.peak_tflops
         plan = predict_configured(experiment, build_graph(experiment).placement, cluster)
         assert plan.step_s > 0 and plan.mode == "colocated"
+
+
+def test_genezip_and_video_flops_match_torchs_counter():
+    """The cost model's stacks and outer GEMMs of GeneZip (fixed routing, so the chunk counts are known;
+    one and two stages) and of the video generator's training pass count exactly the FLOPs torch's counter
+    sees in the real modules, but for the video's frame summaries: a forward without gradients, which
+    training FLOPs leave out."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hetero.kinds.flops import _attention_flops, counted_forward_flops
+    from hetero.kinds.genezip.config import GeneZipConfig
+    from hetero.kinds.genezip.model import GeneZip
+    from hetero.kinds.video.config import VideoConfig
+    from hetero.kinds.video.model import VideoGenerator
+    from hetero.kinds.video.objectives import flow_matching_loss
+
+    torch.manual_seed(0)
+    for stages in (1, 2):
+        config = GeneZipConfig(seq_len=256, hidden_size=32, num_heads=4, routing="fixed", target_bpt=4, stages=stages,
+                               out_size=48)
+        counted = counted_forward_flops(GeneZip(config), torch.randint(0, 4, (2, config.seq_len))) / 2
+        assert stacked_forward_flops(describe("dna", "genezip", config)) == counted
+
+    config, frames = VideoConfig(frame_size=16, patch_size=4, hidden_size=32, num_heads=4, condition_size=24), 6
+    attention = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=attention) as counter:
+        flow_matching_loss(VideoGenerator(config), torch.rand(1, frames, 1, 16, 16), config.memory,
+                           torch.Generator().manual_seed(0), torch.rand(1, 10, 24))
+    summaries = 2 * frames * config.patches_per_frame * config.patch_dim * config.hidden_size
+    video = describe("video", "video", config, clip_frames=frames)
+    assert stacked_forward_flops(video) + summaries == counter.get_total_flops()
+    assert video.seq == (2 * frames - 1) * config.patches_per_frame  # clean frames, then noisy frames 1..T-1
+
+
+def test_full_graph_plans_with_a_consumer_and_the_split_search_finds_the_best_split():
+    """hetero.bench.scale's full graph (vision and GeneZip into the LLM, the LLM into the video generator)
+    on 256 H100s: every placement mode has plans; a non-colocated plan is three sides chained by one 1F1B
+    (encoders, LLM, video), priced as such; the search's split of the ranks off the LLM between encoders
+    and video (useful rank counts only) finds the best plan of an exhaustive search over every split."""
+    from hetero.bench.scale import full_graph
+
+    world = 256
+    workload = workload_of(full_graph(world))
+    assert list(workload.encoders) == ["vision", "dna"] and list(workload.consumers) == ["video"]
+    h100 = load_cluster("h100_64")
+    planner = Planner(ClusterSpec(nodes=world // 8, gpus_per_node=8, device=h100.device, intra_node=h100.intra_node,
+                                  inter_node=h100.inter_node), workload)
+    plans = planner.plans()
+    assert all(plans.values())
+    best = plans["non_colocated"][0]
+    ranks = best.ranks
+    assert ranks["vision"] == ranks["dna"] and ranks["vision"] + ranks["llm"] + ranks["video"] == world
+    sides = [best.costs["vision"].step_s + best.costs["dna"].step_s, best.costs["llm"].step_s,
+             best.costs["video"].step_s]
+    assert best.step_s == pytest.approx(graph_pipeline_s(sides, best.costs["llm"].microbatches) + best.boundary_s)
+    exhaustive = min(
+        (plan.step_s for e in range(1, world - 1) for c in range(1, world - e)
+         for choice, cost in planner._llm_options(world - e - c, 8)
+         if (plan := planner._three_sides(world, e, c, choice, cost)) is not None),
+    )
+    assert best.step_s == exhaustive
+    for plan in plans["homogeneous"][:3]:  # the video runs inside the LLM's last stage, on its grid
+        assert plan.choices["video"] == plan.choices["llm"] and "video" in plan.folded
+
+
+def test_predict_configured_full_graphs():
+    """The shipped full graphs as configured: non-colocated (encoders, LLM, video on three sets of ranks)
+    and colocated (all on every rank)."""
+    cluster = ClusterSpec(nodes=1, gpus_per_node=8, device=DeviceSpec(activation_bytes=4, precision="fp32"))
+    experiment = load_experiment("full_graph")
+    plan = predict_configured(experiment, build_graph(experiment).placement, cluster)
+    assert plan.mode == "non_colocated"
+    sides = [plan.costs["vision"].step_s + plan.costs["dna"].step_s, plan.costs["llm"].step_s, plan.costs["video"].step_s]
+    assert plan.step_s == pytest.approx(graph_pipeline_s(sides, plan.costs["llm"].microbatches) + plan.boundary_s)
+    experiment = load_experiment("full_graph_colocated")
+    assert predict_configured(experiment, build_graph(experiment).placement, cluster).mode in ("colocated", "colocated_1f1b")

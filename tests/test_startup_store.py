@@ -101,3 +101,4 @@ def test_bench_scale_builds_the_job_s_groups_on_a_fake_world():
     for row in rows:
         assert 0 < row["groups_joined"] <= row["groups_created"], row
         assert row["gloo_store_requests"] > 2 * row["groups_joined"], row
+        assert row["planner_s"] > 0, row  # the planner searched every experiment, the full graph included

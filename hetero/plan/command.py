@@ -32,6 +32,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="what fills a longer context: more images after the configured text (default), or text and "
              "images in their configured shares",
     )
+    plan.add_argument("--clip-frames", type=int, default=32,
+                      help="frames per clip of a video module (default 32, what hetero data video-clips writes)")
     plan.add_argument("--top", type=int, default=3, help="also list the N fastest plans of any mode")
     plan.add_argument("--as-configured", action="store_true", help="predict the config's own layouts only")
     plan.add_argument("--plot", metavar="PNG", help="plot the placement modes across --contexts")
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> None:
     else:
         cluster = load_cluster(args.cluster)
     if placement is not None:
-        plan = predict_configured(experiment, placement, cluster)
+        plan = predict_configured(experiment, placement, cluster, args.clip_frames)
         print(f"{experiment.name} as configured on {cluster.name}: {plan.model_flops / 1e12:.3g} TFLOP per step")
         print(plan_row(plan, cluster))
         if args.json:
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> None:
     results, report = [], []
     for context in contexts:
         workload = workload_of(experiment, context or None, args.tokens_per_step or None, args.extra_context,
-                               cluster.device.activation_bytes)
+                               cluster.device.activation_bytes, args.clip_frames)
         plans = Planner(cluster, workload).plans()
         results.append((workload.llm.seq, plans))
         print(format_context(workload.llm.seq, workload, plans, cluster, args.top), end="\n\n", flush=True)

@@ -10,13 +10,19 @@ of the stage activations, the data-parallel gradient all-reduce (scaled by the m
 compression). A 1F1B pipeline runs ``m + pp - 1`` slots of its slowest stage. Memory per rank is the
 weights, gradients and optimizer state of its shard plus the activations its in-flight microbatches keep
 (every layer's saved tensors, or only the layer inputs under recomputation).
+
+A module is one or more stacks of identical layers, each at its own tokens per sample: GeneZip's encoder
+and decoder at the bases, its main network at the chunks; the video generator over its training sequence
+of clean and noisy frames. What lies outside the layers of those two kinds is a list of GEMMs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from hetero.data.genome import BASES
 from hetero.kinds.flops import (
     TRAINING_MULTIPLIER,
     active_ffn_size,
@@ -24,7 +30,9 @@ from hetero.kinds.flops import (
     projector_forward_flops_per_image,
     vit_forward_flops_per_image,
 )
+from hetero.kinds.genezip.config import GeneZipConfig
 from hetero.kinds.gpt.config import GPTConfig
+from hetero.kinds.video.config import VideoConfig
 from hetero.kinds.vit.config import ViTConfig
 from hetero.plan.cluster import ClusterSpec, LinkSpec
 
@@ -32,11 +40,29 @@ GIB = 1024**3
 
 
 @dataclass(frozen=True)
+class Stack:
+    """Layers of a module that run at one token count per sample."""
+
+    layers: int
+    seq: int
+    causal: bool  # the attention kernel skips the masked half (a flash kernel's is_causal); False: dense
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """A matmul outside the layers: ``rows`` per sample times a ``(k, n)`` weight."""
+
+    rows: int
+    k: int
+    n: int
+
+
+@dataclass(frozen=True)
 class Transformer:
-    """What the cost model needs of a module: a stack of transformer layers over fixed-length samples."""
+    """What the cost model needs of a module: stacks of transformer layers over fixed-length samples."""
 
     name: str
-    kind: str  # "gpt" (causal, SwiGLU, vocabulary head) or "vit" (bidirectional, GELU, projector)
+    kind: str  # "gpt" (causal, SwiGLU, vocabulary head), "vit" (bidirectional, GELU, projector), "genezip", "video"
     layers: int
     hidden: int
     heads: int
@@ -51,16 +77,27 @@ class Transformer:
     positions: bool = True  # vit: learned position embeddings (a projector of its own has none)
     model_flops_per_sample: float = 0.0  # training FLOPs (MFU convention), from hetero.kinds.flops
     idle_ffn: int = 0  # gpt with experts: the units of the experts a token skips (memory, no compute); ffn is the active ones
+    stacks: tuple[Stack, ...] = ()  # genezip, video: the layers at each token count (``layers`` is their sum)
+    outer: tuple[Gemm, ...] = ()  # genezip, video: the matmuls outside the layers
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     @property
+    def gated(self) -> bool:
+        """A SwiGLU MLP (three matrices) rather than GELU (two)."""
+        return self.kind in ("gpt", "genezip")
+
+    @property
+    def stack_list(self) -> tuple[Stack, ...]:
+        return self.stacks or (Stack(self.layers, self.seq, self.kind == "gpt"),)
+
+    @property
     def layer_params(self) -> int:
         d = self.head_dim
         attention = self.hidden * (self.heads + 2 * self.kv_heads) * d + self.heads * d * self.hidden
-        mlp = (3 if self.kind == "gpt" else 2) * self.hidden * (self.ffn + self.idle_ffn)
+        mlp = (3 if self.gated else 2) * self.hidden * (self.ffn + self.idle_ffn)
         return attention + mlp
 
     @property
@@ -68,6 +105,8 @@ class Transformer:
         """Parameters outside the layers: embeddings and head (gpt), patch embedding and projector (vit)."""
         if self.kind == "gpt":
             return 2 * self.vocab * self.hidden
+        if self.outer:
+            return sum(g.k * g.n for g in self.outer)
         projector = self.hidden * self.out_width + self.out_width**2 if self.projector else 0
         return self.head_in * self.hidden + projector + (self.seq * self.hidden if self.positions else 0)
 
@@ -76,8 +115,10 @@ class Transformer:
         return self.layers * self.layer_params + self.outer_params
 
 
-def describe(name: str, kind: str, config: GPTConfig | ViTConfig, seq_len: int | None = None) -> Transformer:
-    """The cost model's view of a module of ``kind`` (gpt at context ``seq_len`` if given, or vit)."""
+def describe(name: str, kind: str, config: GPTConfig | ViTConfig | GeneZipConfig | VideoConfig,
+             seq_len: int | None = None, clip_frames: int = 32) -> Transformer:
+    """The cost model's view of a module of ``kind`` (gpt at context ``seq_len`` if given; video over clips
+    of ``clip_frames``)."""
     if kind == "gpt":
         seq = seq_len or config.seq_len
         active = active_ffn_size(config)
@@ -102,7 +143,62 @@ def describe(name: str, kind: str, config: GPTConfig | ViTConfig, seq_len: int |
             model_flops_per_sample=TRAINING_MULTIPLIER * projector_forward_flops_per_image(
                 config.in_size, config.out_size, config.tokens),
         )
-    raise ValueError(f"{name}: the planner models gpt, vit and projector modules, not {kind!r}")
+    if kind == "genezip":
+        return _genezip(name, config)
+    if kind == "video":
+        return _video(name, config, clip_frames)
+    raise ValueError(f"{name}: the planner models gpt, vit, projector, genezip and video modules, not {kind!r}")
+
+
+def _genezip(name: str, config: GeneZipConfig) -> Transformer:
+    """GeneZip at its target rates: each stage's encoder and decoder over its positions (the local window
+    is a mask over all of them, so the kernel computes every key), the main network over the last
+    stage's chunks (causal); the router, residual, output head and projector outside the layers."""
+    h, stacks, outer, chunks = config.hidden_size, [], [], []
+    positions = config.seq_len
+    for rate in [config.target_bpt] + [config.inner_bpt] * (config.stages - 1):
+        stacks.append(Stack(config.encoder_layers + config.decoder_layers, positions, causal=False))
+        outer += [Gemm(positions, h, h)] * (3 if config.routing == "dynamic" else 1)  # router's two maps, residual
+        positions = math.ceil(positions / rate) if chunks else min(math.ceil(positions / rate), config.max_tokens())
+        chunks.append(positions)
+    stacks.append(Stack(config.main_layers, positions, causal=True))
+    outer.append(Gemm(config.seq_len, h, len(BASES)))  # the next-base head
+    if config.out_size:
+        outer.append(Gemm(chunks[0], h, config.out_size))
+    return _stacked(name, "genezip", config.num_heads, h, config.ffn_size, tuple(stacks), tuple(outer),
+                    out_tokens=config.max_tokens(), out_width=config.out_size or h)
+
+
+def _video(name: str, config: VideoConfig, frames: int) -> Transformer:
+    """The video generator's training pass over one clip of ``frames``: every block over the clean frames
+    and the noisy frames 1..T-1 under a dense visibility mask; the patch embeddings, flow-time MLP,
+    conditioning and head outside the layers (a learned memory's distillation pass is not priced)."""
+    h, patches, patch_dim = config.hidden_size, config.patches_per_frame, config.patch_dim
+    length = (2 * frames - 1) * patches
+    outer = [Gemm(frames * patches, patch_dim, h), Gemm((frames - 1) * patches, patch_dim, h),
+             Gemm(frames - 1, h, h), Gemm(frames - 1, h, h), Gemm(length, h, patch_dim)]
+    if config.condition_size:
+        outer.append(Gemm(1, config.condition_size, h))
+    return _stacked(name, "video", config.num_heads, h, config.ffn_size,
+                    (Stack(config.num_layers, length, causal=False),), tuple(outer), out_tokens=0, out_width=0)
+
+
+def _stacked(name: str, kind: str, heads: int, hidden: int, ffn: int, stacks: tuple[Stack, ...],
+             outer: tuple[Gemm, ...], out_tokens: int, out_width: int) -> Transformer:
+    module = Transformer(name, kind, sum(s.layers for s in stacks), hidden, heads, heads, ffn,
+                         max(s.seq for s in stacks), out_width=out_width, out_tokens=out_tokens, stacks=stacks,
+                         outer=outer)
+    return dataclasses.replace(module, model_flops_per_sample=TRAINING_MULTIPLIER * stacked_forward_flops(module))
+
+
+def stacked_forward_flops(module: Transformer) -> float:
+    """Forward FLOPs per sample of a module of stacks, counted as ``hetero.kinds.flops`` counts (every
+    attention score, masked or not)."""
+    q_width = kv_width = module.heads * module.head_dim
+    projections = 2 * module.hidden * (q_width + 2 * kv_width) + 2 * q_width * module.hidden
+    mlp = 2 * (3 if module.gated else 2) * module.hidden * module.ffn
+    layers = sum(s.layers * s.seq * (projections + 2 * 2 * s.seq * q_width + mlp) for s in module.stack_list)
+    return layers + sum(2 * g.rows * g.k * g.n for g in module.outer)
 
 
 @dataclass(frozen=True)
@@ -192,29 +288,32 @@ class CostModel:
         rate = self.device.attention_tflops or self.device.matmul_tflops
         return self.device.matmul_overhead_us * 1e-6 + flops / (rate * 1e12)
 
-    def layer_forward_s(self, module: Transformer, choice: Choice) -> float:
-        """One layer, one microbatch, forward, on one rank."""
-        tokens = choice.micro * math.ceil(module.seq / choice.cp)
+    def layer_forward_s(self, module: Transformer, choice: Choice, stack: Stack | None = None) -> float:
+        """One layer (of ``stack``, default the module's only one), one microbatch, forward, on one rank."""
+        stack = stack or module.stack_list[0]
+        tokens = choice.micro * math.ceil(stack.seq / choice.cp)
         d, tp = module.head_dim, choice.tp
         q_width, kv_width, ffn = module.heads * d / tp, module.kv_heads * d / tp, module.ffn / tp
-        if module.kind == "gpt":
+        if module.gated:
             shapes = [(module.hidden, q_width), (module.hidden, kv_width), (module.hidden, kv_width),
                       (q_width, module.hidden), (module.hidden, ffn), (module.hidden, ffn), (ffn, module.hidden)]
         else:
             shapes = [(module.hidden, q_width)] * 3 + [(q_width, module.hidden), (module.hidden, ffn), (ffn, module.hidden)]
         gemms = sum(self.gemm_s(tokens, k, n) for k, n in shapes)
-        causal = 0.5 if module.kind == "gpt" else 1.0
-        attention = self.attention_s(causal * 4 * tokens * module.seq * q_width)  # queries here x every key
+        causal = 0.5 if stack.causal else 1.0
+        attention = self.attention_s(causal * 4 * tokens * stack.seq * q_width)  # queries here x every key
         # Two norms and two residual adds over the hidden width, rotary or bias work on q/k, the MLP's
         # activation (and gate product): each kernel reads its inputs and writes its output once.
         elements = tokens * (10 * module.hidden + 4 * (q_width + kv_width) + 3 * ffn)
-        kernels = 10 if module.kind == "gpt" else 8
+        kernels = 10 if module.gated else 8
         return gemms + attention + self.elementwise_s(kernels, elements * self.device.activation_bytes)
 
     def outer_forward_s(self, module: Transformer, choice: Choice) -> tuple[float, float]:
         """Forward time of what sits before the first layer and after the last: (first stage, last stage)."""
         tokens = choice.micro * math.ceil(module.seq / choice.cp)
         act = self.device.activation_bytes
+        if module.outer:
+            return sum(self.gemm_s(choice.micro * g.rows, g.k, g.n) for g in module.outer), 0.0
         if module.kind == "gpt":
             vocab = module.vocab / choice.tp
             first = self.elementwise_s(1, tokens * module.hidden * act)  # embedding lookup
@@ -231,13 +330,14 @@ class CostModel:
     def module_cost(
         self, module: Transformer, choice: Choice, samples: int, grad_ratio: float = 1.0,
         extra_first_stage_s: float = 0.0, held_microbatches: int | None = None, first_stage_layers: int | None = None,
-        hop_element_bytes: float | None = None,
+        hop_element_bytes: float | None = None, extra_last_stage_s: float = 0.0,
     ) -> ModuleCost:
         """Cost of ``samples`` per step through ``module`` under ``choice``.
 
         ``grad_ratio``: bytes on the wire per fp32 gradient byte (gradient compression);
         ``extra_first_stage_s``: work folded into the first stage per microbatch (an encoder sharing the
-        LLM's pipeline in a homogeneous layout); ``held_microbatches``: microbatches whose activations
+        LLM's pipeline in a homogeneous layout), ``extra_last_stage_s`` into the last (a consumer of its
+        hidden states there); ``held_microbatches``: microbatches whose activations
         are alive at once (default: a 1F1B pipeline's, min(pp, microbatches)); an encoder whose outputs
         wait for the LLM's backward holds more; ``first_stage_layers``: layers of the first stage when it
         takes fewer than its share (the rest split evenly over the other stages); ``hop_element_bytes``:
@@ -246,25 +346,42 @@ class CostModel:
         act = self.device.activation_bytes
         microbatches = max(1, math.ceil(math.ceil(samples / dp) / choice.micro))
         tokens = choice.micro * math.ceil(module.seq / cp)
+        if pp > 1 and len(module.stack_list) > 1:
+            raise ValueError(f"{module.name}: the cost model splits only modules of one stack into pipeline stages")
         first_layers = math.ceil(module.layers / pp) if first_stage_layers is None or pp == 1 else first_stage_layers
         later_layers = math.ceil((module.layers - first_layers) / (pp - 1)) if pp > 1 else 0
         layers_per_stage = max(first_layers, later_layers)
         passes = TRAINING_MULTIPLIER + (1 if choice.recompute else 0)
 
-        layer = passes * self.layer_forward_s(module, choice)
         first, last = (passes * t for t in self.outer_forward_s(module, choice))
         tp_link, cp_link = self.cluster.link(tp), self.cluster.link(tp * cp)
-        # TP: the attention and MLP outputs are all-reduced in forward, their input gradients in backward.
-        tp_layer = (4 + (2 if choice.recompute else 0)) * allreduce_s(tokens * module.hidden * act, tp, tp_link)
-        if tp > 1:
-            tp_layer += passes / TRAINING_MULTIPLIER * self.device.tp_layer_overhead_us * 1e-6
-        kv_bytes = 2 * choice.micro * module.seq * module.kv_heads * module.head_dim / tp * act
-        cp_layer = (2 + (1 if choice.recompute else 0)) * allgather_s(kv_bytes, cp, cp_link)
-        per_layer = layer + tp_layer + cp_layer
-        if pp > 1:
-            stage_s = max(first_layers * per_layer + first + extra_first_stage_s, later_layers * per_layer + last)
+        # Per stack, one layer's time (``per_layer``), its TP and CP traffic, and what it saves for backward.
+        per_layer, tp_layer, cp_layer, saved, whole = [], [], [], [], []
+        if module.gated:
+            per_token = 7 * module.hidden + 2 * module.kv_heads * module.head_dim + 4 * module.ffn
         else:
-            stage_s = module.layers * per_layer + first + last + extra_first_stage_s
+            per_token = 7 * module.hidden + 2 * module.ffn
+        for stack in module.stack_list:
+            stack_tokens = choice.micro * math.ceil(stack.seq / cp)
+            # TP: the attention and MLP outputs are all-reduced in forward, their input gradients in backward.
+            tp_s = (4 + (2 if choice.recompute else 0)) * allreduce_s(stack_tokens * module.hidden * act, tp, tp_link)
+            if tp > 1:
+                tp_s += passes / TRAINING_MULTIPLIER * self.device.tp_layer_overhead_us * 1e-6
+            kv_bytes = 2 * choice.micro * stack.seq * module.kv_heads * module.head_dim / tp * act
+            cp_s = (2 + (1 if choice.recompute else 0)) * allgather_s(kv_bytes, cp, cp_link)
+            tp_layer.append(tp_s)
+            cp_layer.append(cp_s)
+            per_layer.append(passes * self.layer_forward_s(module, choice, stack) + tp_s + cp_s)
+            saved.append(stack_tokens * (module.hidden if choice.recompute else per_token) * act / tp)
+            whole.append(stack_tokens * per_token * act / tp)
+        if pp > 1:
+            stage_s = max(first_layers * per_layer[0] + first + extra_first_stage_s,
+                          later_layers * per_layer[0] + last + extra_last_stage_s)
+            stage_layers = [layers_per_stage]
+        else:
+            stage_s = (sum(s.layers * t for s, t in zip(module.stack_list, per_layer)) + first + last
+                       + extra_first_stage_s + extra_last_stage_s)
+            stage_layers = [s.layers for s in module.stack_list]
         pp_link = self.cluster.link(tp * cp * dp * 2)
         hop_bytes = tokens * module.hidden / tp * (hop_element_bytes or 2 * act)
         pp_hop = 2 * pp_link.latency_us * 1e-6 + hop_bytes / (pp_link.bandwidth_gb_s * 1e9) if pp > 1 else 0.0
@@ -277,21 +394,16 @@ class CostModel:
         state = stage_params * (16 if self.device.precision == "fp32" else 6 + 12 / (dp * cp))
         optimizer_s = self.elementwise_s(4, stage_params * 28 / (1 if self.device.precision == "fp32" else dp * cp))
 
-        if module.kind == "gpt":
-            per_token = 7 * module.hidden + 2 * module.kv_heads * module.head_dim + 4 * module.ffn
-        else:
-            per_token = 7 * module.hidden + 2 * module.ffn
-        saved_per_layer = tokens * (module.hidden if choice.recompute else per_token) * act / tp
         in_flight = min(held_microbatches or pp, microbatches)
-        activations = layers_per_stage * in_flight * saved_per_layer
+        activations = sum(n * in_flight * per for n, per in zip(stage_layers, saved))
         if choice.recompute:  # one layer's full activations while it is recomputed
-            activations += tokens * per_token * act / tp
+            activations += max(whole)
         logits = 2 * tokens * module.vocab / tp * 4 if module.kind == "gpt" else 0.0
         return ModuleCost(
             step_s=compute + slots * pp_hop + dp_s + optimizer_s,
             compute_s=compute,
-            tp_s=slots * layers_per_stage * tp_layer,
-            cp_s=slots * layers_per_stage * cp_layer,
+            tp_s=sum(slots * n * t for n, t in zip(stage_layers, tp_layer)),
+            cp_s=sum(slots * n * t for n, t in zip(stage_layers, cp_layer)),
             pp_s=slots * pp_hop,
             dp_s=dp_s,
             memory_bytes=state + activations + logits,

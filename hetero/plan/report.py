@@ -26,7 +26,7 @@ def plan_row(plan: Plan, cluster: ClusterSpec) -> str:
 
 
 def format_context(context: int, workload: Workload, plans: dict[str, list[Plan]], cluster: ClusterSpec, top: int) -> str:
-    images = ", ".join(f"{workload.samples(n)} {n} samples" for n in workload.encoders)
+    images = ", ".join(f"{workload.samples(n)} {n} samples" for n in workload.others)
     lines = [
         f"context {context}: {workload.sequences} sequences{', ' + images if images else ''} per step, "
         f"{workload.model_flops / 1e15:.3g} PFLOP (model FLOPs) on {cluster.world_size} devices of {cluster.name}",

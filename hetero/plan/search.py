@@ -1,18 +1,20 @@
 """Search per-module layouts and placements with the cost model; predict a configured experiment.
 
-Three placement modes over the same world of N devices:
+A workload is one LLM, the encoders that feed it and the consumers its hidden states condition. Four
+placement modes over the same world of N devices:
 
 - homogeneous: every module takes the LLM's grid (tp, cp, dp on all N ranks); encoders run inside the
-  LLM's first pipeline stage, once per LLM microbatch (how a single-layout framework runs them);
+  LLM's first pipeline stage, consumers inside its last, once per LLM microbatch (how a single-layout
+  framework runs them);
 - colocated: every module on all N ranks with its own layout, one after the other in a step (``phased``);
-- colocated_1f1b: the same layouts under one 1F1B over the graph (``graph_1f1b``): the encoders' work
+- colocated_1f1b: the same layouts under one 1F1B over the graph (``graph_1f1b``): the other modules' work
   fills the LLM pipeline's warm-up and cool-down bubbles, (pp - 1) slots of its slowest stage on every
-  rank, except one microbatch of each encoder, which runs before the LLM's first forward and after its
-  last backward; encoder activations stay alive for a pipeline's depth of microbatches, not all;
+  rank, except one microbatch of each, which runs before the LLM's first forward and after its last
+  backward; their activations stay alive for a pipeline's depth of microbatches, not all;
 - non-colocated: the encoders on ranks of their own (together, taking turns, when several), the LLM on
-  the rest; the graph runs as one pipeline, so a step takes the slower side plus the faster side's share
-  of one microbatch (fill and drain), plus the boundary transfer (``predict_configured`` also prices a
-  configured ``phased`` schedule there: both sides in turn).
+  the next, the consumers on the last; the graph runs as one pipeline, so a step takes the slowest side
+  plus the other sides' share of one microbatch (fill and drain), plus the boundary transfers
+  (``predict_configured`` also prices a configured ``phased`` schedule there: the sides in turn).
 """
 
 from __future__ import annotations
@@ -34,18 +36,24 @@ MODES = ("homogeneous", "colocated", "colocated_1f1b", "non_colocated")
 
 @dataclass
 class Workload:
-    """One step's work: the LLM's sequences and, per encoder, samples per LLM sequence."""
+    """One step's work: the LLM's sequences and, per other module, samples per LLM sequence. Encoders feed
+    the LLM; consumers (a video generator) take its hidden states."""
 
     llm: Transformer
     encoders: dict[str, Transformer]
     sequences: int
-    per_sequence: dict[str, float]  # encoder samples (images) per LLM sequence
+    per_sequence: dict[str, float]  # samples (images, DNA windows, clips) per LLM sequence
     grad_ratio: dict[str, float] = field(default_factory=dict)
     # Wire bytes per activation element, forward + backward together, of compressed edges: each encoder's
-    # boundary into the LLM, and the LLM's stage edges (None: uncompressed).
+    # or consumer's boundary with the LLM, and the LLM's stage edges (None: uncompressed).
     boundary_element_bytes: dict[str, float] = field(default_factory=dict)
     stage_element_bytes: float | None = None
     llm_micro: tuple[int, ...] = (1, 2, 4, 8)
+    consumers: dict[str, Transformer] = field(default_factory=dict)
+
+    @property
+    def others(self) -> dict[str, Transformer]:
+        return self.encoders | self.consumers
 
     def samples(self, name: str) -> int:
         return self.sequences if name == self.llm.name else max(1, round(self.sequences * self.per_sequence[name]))
@@ -53,12 +61,18 @@ class Workload:
     @property
     def model_flops(self) -> float:
         flops = self.sequences * self.llm.model_flops_per_sample
-        return flops + sum(self.samples(n) * e.model_flops_per_sample for n, e in self.encoders.items())
+        return flops + sum(self.samples(n) * e.model_flops_per_sample for n, e in self.others.items())
 
-    def boundary_bytes(self, activation_bytes: int) -> float:
-        """Encoder outputs crossing into the LLM per step, forward and (as gradients) backward."""
-        return sum(self.samples(n) * e.out_tokens * e.out_width * self.boundary_element_bytes.get(n, 2 * activation_bytes)
-                   for n, e in self.encoders.items())
+    def boundary_bytes(self, activation_bytes: int, names: list[str] | None = None) -> float:
+        """What crosses between the LLM and the modules ``names`` (default: every encoder) per step, forward
+        and (as gradients) backward: an encoder's output tokens, the LLM's hidden states to a consumer."""
+        total = 0.0
+        for name in self.encoders if names is None else names:
+            module = self.others[name]
+            elements = (module.out_tokens * module.out_width if name in self.encoders
+                        else self.llm.seq * self.llm.hidden)
+            total += self.samples(name) * elements * self.boundary_element_bytes.get(name, 2 * activation_bytes)
+        return total
 
 
 @dataclass
@@ -142,6 +156,8 @@ class Planner:
     def __init__(self, cluster: ClusterSpec, workload: Workload):
         self.cluster, self.workload = cluster, workload
         self.model = CostModel(cluster)
+        self._paired_cache: dict[tuple, dict[str, tuple[Choice, ModuleCost]] | None] = {}
+        self._llm_cache: dict[tuple[int, int | None], list[tuple[Choice, ModuleCost]]] = {}
 
     def choices(self, module: Transformer, ranks: int, samples: int, *, pp: bool, cp: bool) -> list[Choice]:
         """Every layout of ``module`` on ``ranks`` devices that runs ``samples`` per step."""
@@ -184,14 +200,22 @@ class Planner:
             found += [Choice(tp, 1, 1, dp, micro, recompute) for recompute in (False, True)]
         return found
 
-    def _paired(self, llm_choice: Choice, llm_cost: ModuleCost, ranks: dict[str, int], held: int | None,
+    def _paired(self, llm_cost: ModuleCost, ranks: dict[str, int], held: int | None,
                 budget: float) -> dict[str, tuple[Choice, ModuleCost]] | None:
-        """Each encoder's fastest layout on its ranks, paired with the LLM's microbatches, within ``budget``
-        bytes of memory per rank (``None`` when none fits)."""
+        """Each module's (of ``ranks``) fastest layout on its ranks, paired with the LLM's microbatches,
+        within ``budget`` bytes of memory per rank (``None`` when none fits)."""
+        key = (tuple(ranks.items()), llm_cost.microbatches, held, budget)
+        if key not in self._paired_cache:
+            self._paired_cache[key] = self._fastest_pairing(llm_cost.microbatches, ranks, held, budget)
+        return self._paired_cache[key]
+
+    def _fastest_pairing(self, microbatches: int, ranks: dict[str, int], held: int | None,
+                         budget: float) -> dict[str, tuple[Choice, ModuleCost]] | None:
         picks, memory = {}, 0.0
-        for name, encoder in self.workload.encoders.items():
+        for name in ranks:
+            encoder = self.workload.others[name]
             best = None
-            for choice in self.encoder_choices(encoder, ranks[name], llm_cost.microbatches):
+            for choice in self.encoder_choices(encoder, ranks[name], microbatches):
                 cost = self.model.module_cost(encoder, choice, self.workload.samples(name),
                                               self.workload.grad_ratio.get(name, 1.0), held_microbatches=held)
                 if memory + cost.memory_bytes <= budget and (best is None or cost.step_s < best[1].step_s):
@@ -203,6 +227,11 @@ class Planner:
         return picks
 
     def _llm_options(self, ranks: int, keep: int | None = None) -> list[tuple[Choice, ModuleCost]]:
+        if (ranks, keep) not in self._llm_cache:
+            self._llm_cache[ranks, keep] = self._fastest_llm_layouts(ranks, keep)
+        return self._llm_cache[ranks, keep]
+
+    def _fastest_llm_layouts(self, ranks: int, keep: int | None) -> list[tuple[Choice, ModuleCost]]:
         llm = self.workload.llm
         options = []
         for choice in self.choices(llm, ranks, self.workload.sequences, pp=True, cp=True):
@@ -214,18 +243,23 @@ class Planner:
         return options[:keep] if keep else options
 
     def homogeneous(self, world: int) -> list[Plan]:
+        """Every module on the LLM's grid; encoders inside its first stage, consumers inside its last."""
         llm, plans = self.workload.llm, []
         for choice in self.choices(llm, world, self.workload.sequences, pp=True, cp=True):
-            extra, encoder_costs, encoder_memory = 0.0, {}, 0.0
-            for name, encoder in self.workload.encoders.items():
-                per_micro = choice.micro * self.workload.per_sequence[name]  # images per LLM microbatch
+            extra, extra_last, encoder_costs, encoder_memory = 0.0, 0.0, {}, 0.0
+            for name, encoder in self.workload.others.items():
+                per_micro = choice.micro * self.workload.per_sequence[name]  # samples per LLM microbatch
                 count = max(1, round(per_micro))
                 shared = Choice(choice.tp, 1, 1, choice.dp, count, choice.recompute)
                 if encoder.heads % choice.tp or encoder.ffn % choice.tp:
                     break
                 cost = self.model.module_cost(encoder, shared, count * choice.dp, self.workload.grad_ratio.get(name, 1.0))
-                extra += cost.microbatch_s * per_micro / count
                 encoder_costs[name] = cost
+                if name in self.workload.consumers:  # the last stage runs it and, at once, its backward
+                    extra_last += cost.microbatch_s * per_micro / count
+                    encoder_memory += cost.memory_bytes
+                    continue
+                extra += cost.microbatch_s * per_micro / count
                 # Stage 0 keeps the encoder's weights and, per in-flight microbatch, its activations.
                 encoder_memory += cost.memory_bytes * min(choice.pp, math.ceil(self.workload.sequences / choice.dp / choice.micro))
             else:
@@ -234,15 +268,16 @@ class Planner:
                 cost = min(
                     (self.model.module_cost(llm, choice, self.workload.sequences, self.workload.grad_ratio.get(llm.name, 1.0),
                                             extra_first_stage_s=extra, first_stage_layers=first,
-                                            hop_element_bytes=self.workload.stage_element_bytes) for first in firsts),
+                                            hop_element_bytes=self.workload.stage_element_bytes,
+                                            extra_last_stage_s=extra_last) for first in firsts),
                     key=lambda c: c.step_s,
                 )
                 memory = cost.memory_bytes + encoder_memory
                 if not self.model.fits(memory):
                     continue
                 step = cost.step_s + sum(c.dp_s for c in encoder_costs.values())
-                ranks = {n: world for n in [*self.workload.encoders, llm.name]}
-                choices = {n: choice for n in self.workload.encoders} | {llm.name: choice}  # one grid for all
+                ranks = {n: world for n in [*self.workload.others, llm.name]}
+                choices = {n: choice for n in self.workload.others} | {llm.name: choice}  # one grid for all
                 plans.append(Plan("homogeneous", ranks, choices, encoder_costs | {llm.name: cost}, step,
                                   memory / GIB, 0.0, self.workload.model_flops, world, tuple(encoder_costs)))
         return sorted(plans, key=lambda plan: plan.step_s)
@@ -250,13 +285,13 @@ class Planner:
     def colocated(self, world: int) -> list[Plan]:
         llm, plans = self.workload.llm, []
         usable = self.model.device.usable_memory * self.model.device.memory_gib * GIB
-        boundary = self._boundary_s(world, world) if self.workload.encoders else 0.0
+        others = list(self.workload.others)
+        boundary = self._boundary_s(world, world, others) if others else 0.0
         for choice, cost in self._llm_options(world):
             # Phased, every microbatch is encoded before the LLM runs: all stay alive until its backward;
-            # under one 1F1B an encoder holds a pipeline's depth of microbatches.
+            # under one 1F1B an encoder holds a pipeline's depth of microbatches (consumers priced alike).
             for mode, held in (("colocated", cost.microbatches), ("colocated_1f1b", min(choice.pp + 1, cost.microbatches))):
-                picks = self._paired(choice, cost, dict.fromkeys(self.workload.encoders, world), held,
-                                     usable - cost.memory_bytes)
+                picks = self._paired(cost, dict.fromkeys(others, world), held, usable - cost.memory_bytes)
                 if picks is None:
                     continue
                 encoders = [c for _, c in picks.values()]
@@ -272,34 +307,70 @@ class Planner:
         return [p for p in plans if p.mode == mode]
 
     def non_colocated(self, world: int, keep: int = 8) -> list[Plan]:
-        """The encoders on ranks 0..e-1 (together, when several), the LLM on the rest, for every split e
-        (the LLM's ``keep`` fastest layouts on its share), under one 1F1B over the graph."""
-        if not self.workload.encoders:
-            return []
-        llm, plans = self.workload.llm, []
-        usable = self.model.device.usable_memory * self.model.device.memory_gib * GIB
-        for encoder_ranks in range(1, world):
-            for choice, cost in self._llm_options(world - encoder_ranks, keep):
-                # A graph pipeline: the encoders are stage 0 of 1 + pp stages under 1F1B.
-                picks = self._paired(choice, cost, dict.fromkeys(self.workload.encoders, encoder_ranks),
-                                     choice.pp + 1, usable)
-                if picks is None:
-                    continue
-                encoder_side = sum(c.step_s for _, c in picks.values())  # encoders sharing ranks take turns
-                boundary = self._boundary_s(encoder_ranks, world - encoder_ranks)
-                step = graph_pipeline_s([encoder_side, cost.step_s], cost.microbatches) + boundary
-                ranks = dict.fromkeys(picks, encoder_ranks) | {llm.name: world - encoder_ranks}
-                plans.append(Plan("non_colocated", ranks, {n: c for n, (c, _) in picks.items()} | {llm.name: choice},
-                                  {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, step,
-                                  max(sum(c.memory_gib for _, c in picks.values()), cost.memory_gib), boundary,
-                                  self.workload.model_flops, world))
+        """The encoders on the first ranks (together, when several), the LLM on the next, its consumers on
+        the last (together), under one 1F1B over the graph, with the LLM's ``keep`` fastest layouts on its
+        share. Without consumers, every count of encoder ranks is tried. With both encoders and consumers,
+        each side takes one of its useful rank counts (``_side_counts``) and the LLM the rest."""
+        encoders, consumers = list(self.workload.encoders), list(self.workload.consumers)
+        if encoders and consumers:
+            splits = [(e, c) for e in self._side_counts(encoders, world - 2)
+                      for c in self._side_counts(consumers, world - 1 - e)]
+        else:
+            splits = [(e, 0) if encoders else (0, e) for e in range(1, world)] if encoders or consumers else []
+        plans = []
+        for before, after in splits:
+            for choice, cost in self._llm_options(world - before - after, keep):
+                plan = self._three_sides(world, before, after, choice, cost)
+                if plan is not None:
+                    plans.append(plan)
         return sorted(plans, key=lambda plan: plan.step_s)
 
-    def _boundary_s(self, senders: int, receivers: int) -> float:
-        """The boundary's traffic, spread over the pairs of ranks that carry it."""
+    def _side(self, names: list[str], ranks: int, cost: ModuleCost,
+              held: int) -> dict[str, tuple[Choice, ModuleCost]] | None:
+        """The fastest layouts of ``names`` sharing ``ranks``, paired with the LLM's microbatches (``cost``)."""
+        usable = self.model.device.usable_memory * self.model.device.memory_gib * GIB
+        return self._paired(cost, dict.fromkeys(names, ranks), held, usable) if names else {}
+
+    def _side_counts(self, names: list[str], limit: int) -> list[int]:
+        """Rank counts up to ``limit`` worth giving modules that share ranks: tp times the fewest replicas
+        that bring some module's samples per replica down to a given count (more replicas at the same count
+        add only gradient-sync time, and take ranks from the LLM)."""
+        replicas = set()
+        for name in names:
+            samples = self.workload.samples(name)
+            replicas |= {math.ceil(samples / math.ceil(samples / dp)) for dp in range(1, samples + 1)}
+        tps = _powers(self.cluster.gpus_per_node)
+        return sorted({tp * dp for tp in tps for dp in replicas if tp * dp <= limit})
+
+    def _three_sides(self, world: int, before: int, after: int, choice: Choice, cost: ModuleCost) -> Plan | None:
+        """Encoders on ``before`` ranks, the LLM (``choice``) on the middle, consumers on ``after``."""
+        encoders, consumers, llm = list(self.workload.encoders), list(self.workload.consumers), self.workload.llm
+        # A graph pipeline: the encoders are stage 0 of 1 + pp stages (+ 1 for consumers) under 1F1B; the
+        # consumers, the last stage, run each microbatch's backward right after its forward.
+        front = self._side(encoders, before, cost, choice.pp + 1)
+        back = self._side(consumers, after, cost, 1)
+        if front is None or back is None:
+            return None
+        llm_ranks = world - before - after
+        sides = ([sum(c.step_s for _, c in front.values())] if encoders else []) + [cost.step_s]
+        sides += [sum(c.step_s for _, c in back.values())] if consumers else []
+        boundary = self._boundary_s(before, llm_ranks, encoders) if encoders else 0.0
+        boundary += self._boundary_s(llm_ranks, after, consumers) if consumers else 0.0
+        step = graph_pipeline_s(sides, cost.microbatches) + boundary
+        picks = front | back
+        ranks = dict.fromkeys(encoders, before) | {llm.name: llm_ranks} | dict.fromkeys(consumers, after)
+        memory = max(sum(c.memory_gib for _, c in front.values()), cost.memory_gib,
+                     sum(c.memory_gib for _, c in back.values()))
+        return Plan("non_colocated", ranks, {n: c for n, (c, _) in picks.items()} | {llm.name: choice},
+                    {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, step, memory, boundary,
+                    self.workload.model_flops, world)
+
+    def _boundary_s(self, senders: int, receivers: int, names: list[str] | None = None) -> float:
+        """The traffic between the LLM and ``names`` (default: the encoders), spread over the pairs of
+        ranks that carry it."""
         link = self.cluster.link(senders + receivers)
         pairs = min(senders, receivers)
-        return send_s(self.workload.boundary_bytes(self.cluster.device.activation_bytes) / pairs, link)
+        return send_s(self.workload.boundary_bytes(self.cluster.device.activation_bytes, names) / pairs, link)
 
     def plans(self, world: int | None = None) -> dict[str, list[Plan]]:
         """Every placement mode's plans that fit, fastest first."""
@@ -332,87 +403,125 @@ def graph_1f1b_colocated_s(llm: ModuleCost, encoders: list[ModuleCost]) -> float
 
 
 EXTRA_CONTEXT = ("images", "mixed")
+ENCODER_KINDS = ("vit", "projector", "genezip")  # what feeds the LLM
+CONSUMER_KINDS = ("video",)  # what its hidden states condition
 
 
 def workload_of(
     experiment: ExperimentConfig, context: int | None = None, tokens_per_step: int | None = None,
-    extra_context: str = "images", activation_bytes: int = 2,
+    extra_context: str = "images", activation_bytes: int = 2, clip_frames: int = 32,
 ) -> Workload:
     """The step ``experiment`` trains, optionally at another LLM context length.
 
-    At the configured context every sequence carries one image per encoder. A longer context holds more
-    images: with ``extra_context="images"`` the text keeps its configured length and images fill the rest
-    (long videos, many-image documents); with ``"mixed"`` text and images keep their configured shares.
+    At the configured context every sequence carries one sample (an image, a DNA window) per encoder and
+    one clip per consumer of ``clip_frames`` frames. A longer context holds more encoder samples: with
+    ``extra_context="images"`` the text keeps its configured length and encoder tokens fill the rest (long
+    videos, many-image documents); with ``"mixed"`` text and encoder tokens keep their configured shares.
     The batch keeps ``tokens_per_step`` tokens (default: the configured global batch's). Compressed edges
     are priced per element against ``activation_bytes`` (the cluster device's)."""
     if extra_context not in EXTRA_CONTEXT:
         raise ConfigError(f"extra_context={extra_context!r} is not one of {', '.join(EXTRA_CONTEXT)}")
     kinds = {name: module.kind for name, module in experiment.modules.items()}
     llms = [n for n, k in kinds.items() if k == "gpt"]
-    unsupported = {n: k for n, k in kinds.items() if k not in ("gpt", "vit", "projector")}
+    unsupported = {n: k for n, k in kinds.items() if k not in ("gpt", *ENCODER_KINDS, *CONSUMER_KINDS)}
     if len(llms) != 1 or unsupported:
         raise ConfigError(
-            "hetero plan models one gpt module fed by vit encoders (and their projectors); this experiment has "
-            + ", ".join(f"{n}: {k}" for n, k in kinds.items())
+            "hetero plan models one gpt module, the vit, projector and genezip modules that feed it and the video "
+            "modules it conditions; this experiment has " + ", ".join(f"{n}: {k}" for n, k in kinds.items())
         )
-    llm_config = experiment.model_config(llms[0])
+    llm = llms[0]
+    upstream, downstream = _reaching(experiment, llm, backward=True), _reaching(experiment, llm, backward=False)
+    misplaced = [n for n, k in kinds.items()
+                 if n != llm and not (k in ENCODER_KINDS and n in upstream or k in CONSUMER_KINDS and n in downstream)]
+    if misplaced:
+        raise ConfigError(
+            f"hetero plan models encoders whose edges lead into {llm} and video modules fed by it; "
+            + ", ".join(f"{n} ({kinds[n]})" for n in misplaced) + " is not placed so in the edges"
+        )
+    llm_config = experiment.model_config(llm)
     context = context or llm_config.seq_len
     tokens = tokens_per_step or experiment.batch.global_batch_size * llm_config.seq_len
     sequences = max(1, tokens // context)
-    feeders = sum(e.dst == llms[0] for e in experiment.edges)  # image sources sharing the extra context
-    encoders, per_sequence = {}, {}
+    feeders = sum(e.dst == llm for e in experiment.edges)  # encoder sources sharing the extra context
+    encoders, consumers, per_sequence = {}, {}, {}
     for name, kind in kinds.items():
-        if kind in ("vit", "projector"):  # a tower and its projector see the same images
+        if kind in ENCODER_KINDS:  # a tower and its projector see the same samples
             encoders[name] = describe(name, kind, experiment.model_config(name))
             if extra_context == "mixed":
                 per_sequence[name] = context / llm_config.seq_len
             else:
                 extra = (context - llm_config.seq_len) / (feeders * encoders[name].out_tokens)
                 per_sequence[name] = 1 + extra
+        elif kind in CONSUMER_KINDS:
+            consumers[name] = describe(name, kind, experiment.model_config(name), clip_frames=clip_frames)
+            per_sequence[name] = 1.0
     ratios = {n: gradient_wire_ratio(m.compression) for n, m in experiment.modules.items()}
     act = activation_bytes
-    boundaries = {e.src: b for e in experiment.edges if e.dst == llms[0] and (b := edge_wire_bytes(e.compression, act))}
-    stages = edge_wire_bytes(experiment.modules[llms[0]].compression.pipeline, act)
-    return Workload(describe(llms[0], "gpt", llm_config, context), encoders, sequences, per_sequence, ratios,
-                    boundaries, stages)
+    boundaries = {e.src: b for e in experiment.edges if e.dst == llm and (b := edge_wire_bytes(e.compression, act))}
+    boundaries |= {e.dst: b for e in experiment.edges if e.src == llm and (b := edge_wire_bytes(e.compression, act))}
+    stages = edge_wire_bytes(experiment.modules[llm].compression.pipeline, act)
+    return Workload(describe(llm, "gpt", llm_config, context), encoders, sequences, per_sequence, ratios,
+                    boundaries, stages, consumers=consumers)
 
 
-def predict_configured(experiment: ExperimentConfig, placement: Placement, cluster: ClusterSpec) -> Plan:
+def _reaching(experiment: ExperimentConfig, target: str, backward: bool) -> set[str]:
+    """The modules with a path of edges into ``target`` (``backward``) or reached from it."""
+    found, frontier = set(), [target]
+    while frontier:
+        node = frontier.pop()
+        for edge in experiment.edges:
+            near, far = (edge.dst, edge.src) if backward else (edge.src, edge.dst)
+            if near == node and far not in found:
+                found.add(far)
+                frontier.append(far)
+    return found
+
+
+def predict_configured(experiment: ExperimentConfig, placement: Placement, cluster: ClusterSpec,
+                       clip_frames: int = 32) -> Plan:
     """The cost model's step time for ``experiment`` exactly as configured (its layouts and ranks)."""
-    workload = workload_of(experiment, activation_bytes=cluster.device.activation_bytes)
+    workload = workload_of(experiment, activation_bytes=cluster.device.activation_bytes, clip_frames=clip_frames)
     planner = Planner(cluster, workload)
     llm = workload.llm.name
     choices, costs = {}, {}
     for name, layout in placement.layouts.items():
-        module = workload.llm if name == llm else workload.encoders[name]
+        module = workload.llm if name == llm else workload.others[name]
         choice = Choice(layout.tp, layout.cp, layout.pp, layout.dp, experiment.micro_batch_size(name),
                         experiment.modules[name].parallel.activation_checkpointing)
         choices[name] = choice
         costs[name] = planner.model.module_cost(module, choice, workload.samples(name), workload.grad_ratio[name],
                                                 hop_element_bytes=workload.stage_element_bytes if name == llm else None)
-    relations = {placement.relation(name, llm) for name in workload.encoders}
+    encoders, consumers, others = list(workload.encoders), list(workload.consumers), list(workload.others)
+    relations = {placement.relation(name, llm) for name in others}
     ranks = {n: layout.size for n, layout in placement.layouts.items()}
     world = placement.world_size
+    front = {placement.layouts[n].ranks for n in encoders}
+    back = {placement.layouts[n].ranks for n in consumers}
     if relations <= {"colocated"}:
-        boundary = planner._boundary_s(world, world) if workload.encoders else 0.0
+        boundary = planner._boundary_s(world, world, others) if others else 0.0
         one_1f1b = resolve_schedule(experiment, placement) == "graph_1f1b"
-        encoders = [costs[n] for n in workload.encoders]
-        step = (graph_1f1b_colocated_s if one_1f1b else phased_colocated_s)(costs[llm], encoders) + boundary
+        step = (graph_1f1b_colocated_s if one_1f1b else phased_colocated_s)(costs[llm], [costs[n] for n in others])
+        step += boundary
         mode = "colocated_1f1b" if one_1f1b else "colocated"
-    elif relations == {"disjoint"} and len({placement.layouts[n].ranks for n in workload.encoders}) == 1:
-        encoder_ranks = ranks[next(iter(workload.encoders))]
-        boundary = planner._boundary_s(encoder_ranks, ranks[llm])
-        sides = [sum(costs[n].step_s for n in workload.encoders), costs[llm].step_s]  # encoders take turns
-        if resolve_schedule(experiment, placement) == "phased":  # each side waits out the other's whole step
-            step = sum(sides) + boundary
+    elif relations == {"disjoint"} and len(front) <= 1 and len(back) <= 1 and (
+            front == back or not front or not back or not set(*front) & set(*back)):
+        boundary = planner._boundary_s(ranks[encoders[0]], ranks[llm], encoders) if encoders else 0.0
+        boundary += planner._boundary_s(ranks[llm], ranks[consumers[0]], consumers) if consumers else 0.0
+        before, after = sum(costs[n].step_s for n in encoders), sum(costs[n].step_s for n in consumers)
+        if front == back:  # encoders and consumers take turns on one set of ranks
+            side_s = [before + after, costs[llm].step_s]
         else:
-            step = graph_pipeline_s(sides, costs[llm].microbatches) + boundary
+            side_s = [before] * bool(encoders) + [costs[llm].step_s] + [after] * bool(consumers)
+        if resolve_schedule(experiment, placement) == "phased":  # each side waits out the others' whole steps
+            step = sum(side_s) + boundary
+        else:
+            step = graph_pipeline_s(side_s, costs[llm].microbatches) + boundary
         mode = "non_colocated"
     else:
         raise ConfigError(
-            "hetero plan predicts colocated placements and encoders that share one set of ranks disjoint from "
-            "the LLM's; "
-            f"this experiment's encoders relate to the LLM as {sorted(relations)}"
+            "hetero plan predicts colocated placements, and encoders (and consumers) that each share one set of "
+            "ranks disjoint from the LLM's; "
+            f"this experiment's modules relate to the LLM as {sorted(relations)}"
         )
     memory = max(sum(costs[n].memory_bytes for n in placement.modules_on(r)) for r in range(world))
     return Plan(mode, ranks, choices, costs, step, memory / GIB, boundary, workload.model_flops, world)

@@ -315,8 +315,12 @@ class Planner:
         if encoders and consumers:
             splits = [(e, c) for e in self._side_counts(encoders, world - 2)
                       for c in self._side_counts(consumers, world - 1 - e)]
+        elif encoders:
+            splits = [(e, 0) for e in range(1, world)]
+        elif consumers:
+            splits = [(0, c) for c in range(1, world)]
         else:
-            splits = [(e, 0) if encoders else (0, e) for e in range(1, world)] if encoders or consumers else []
+            return []
         plans = []
         for before, after in splits:
             for choice, cost in self._llm_options(world - before - after, keep):

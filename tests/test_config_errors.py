@@ -357,6 +357,7 @@ def test_video_sink_must_leave_room_in_the_budget():
         ("dna.model.routing=learned", r"dna\.model\.routing='learned' is not one of dynamic, fixed"),
         ("+dna.model.region_bpt.exon=3", r"dna\.model\.region_bpt names unknown regions \['exon'\]"),
         ("dna.model.region_bpt.coding=1", r"dna\.model\.region_bpt\.coding=1\.0 must be > 1"),
+        ("+dna.model.region_channels=0", r"dna\.model\.region_channels=0 and region_gain=0\.05 must be >= 1 and > 0"),
         ("dna.model.min_boundaries=13", r"dna\.model\.min_boundaries=13 exceeds max_boundaries=12"),
         ("dna.model.routing=fixed", r"dna\.model\.routing=fixed places a token every target_bpt"),
         ("dna.model.stages=3", r"dna\.model\.stages=3: GeneZip has 1 or 2 chunking stages"),

@@ -12,7 +12,7 @@ from hetero.kinds.genezip.config import GeneZipConfig
 from hetero.kinds.genezip.objectives import genezip_loss
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.gpt.model import token_loss_sum
-from hetero.testing.references import IMAGE_TOKEN, VisionDnaLanguageModel
+from hetero.testing.references import IMAGE_TOKEN, RegionBudgetSteps, VisionDnaLanguageModel
 from hetero.kinds.vit.config import ViTConfig
 from hetero.config import OptimizerConfig
 from hetero.runtime import build_runtime
@@ -53,15 +53,18 @@ def batches(global_batch):
 
 def reference(data):
     model = VisionDnaLanguageModel(VISION, DNA, LLM, seed=0)
+    budget_steps = RegionBudgetSteps(model.dna)
 
     def losses(batch, step):
         supervised = int((batch["labels"] != -100).sum())
         logits, dna = model(batch["images"], batch["dna"], batch["tokens"])
         text_loss = token_loss_sum(logits, batch["labels"]) / supervised
         dna_loss = genezip_loss(DNA, dna, batch["dna"], batch["dna_regions"]).total(DNA).mean()
+        budget_steps.record(dna, batch["dna_regions"])
         return [text_loss + dna_loss, text_loss, dna_loss]
 
-    return record_reference({name: getattr(model, name) for name in OPTIM}, OPTIM, data, losses, CLIP)
+    return record_reference({name: getattr(model, name) for name in OPTIM}, OPTIM, data, losses, CLIP,
+                            before_step=budget_steps)
 
 
 def dna_vlm_experiment(world_size, layouts, microbatches):

@@ -1,6 +1,9 @@
 """GeneZip's parts: causal prediction through dynamic chunking (one and two stages, and fixed stride),
-bounded routing, the de-chunker's EMA, the straight-through confidence, the ratio loss's fixed point, and
-the compressed tokens it hands on."""
+bounded routing, the de-chunker's EMA, the straight-through confidence, the ratio loss's fixed point, the
+compressed tokens it hands on, and the region budget (causal calls, reading-frame features, the
+controller's step)."""
+
+import math
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from hetero.kinds.genezip.model import (
 from hetero.bench.dechunk import smooth_chunks_loop, worst_case
 from hetero.kinds.genezip.config import GeneZipConfig
 from hetero.kinds.genezip.objectives import genezip_loss, ratio_loss, routing_counts
+from hetero.kinds.genezip.regions import BIAS_LIMIT, reading_frame_features
+from hetero.data.genome import BASES
 
 SMALL = dict(seq_len=96, hidden_size=32, num_heads=4, main_layers=1, local_window=8, routing_window=16)
 
@@ -149,3 +154,100 @@ def test_dynamic_tokens_are_padded_to_the_ceiling():
     for row, count in enumerate(counts.tolist()):
         assert torch.equal(tokens[row, count:], torch.zeros_like(tokens[row, count:]))
         assert bool(tokens[row, :count].abs().sum(-1).gt(0).all())
+
+
+def budget_config(**fields) -> GeneZipConfig:
+    return GeneZipConfig(**SMALL, min_boundaries=2, max_boundaries=6, region_bpt={"coding": 3.0, "intergenic": 6.0},
+                         region_channels=8, **fields)
+
+
+def test_region_budget_is_causal():
+    """With the budget's biases apart, changing base t changes no region call, no routing decision and no
+    prediction before t."""
+    torch.manual_seed(0)
+    model = GeneZip(budget_config())
+    model.budget.bias.copy_(torch.tensor([-2.0, 2.0]))
+    bases = torch.randint(0, 4, (3, 96))
+    before = model(bases)
+    called = model.budget.called_coding(before.region_logits)
+    assert 0 < int(called.sum()) < called.numel()  # both calls occur, so the bias varies along the sequence
+    for t in (5, 40, 90):
+        changed = bases.clone()
+        changed[:, t] = (changed[:, t] + 1) % 4
+        after = model(changed)
+        assert torch.equal(after.region_logits[:, :t], before.region_logits[:, :t])
+        assert torch.equal(after.routings[0].boundary[:, :t], before.routings[0].boundary[:, :t])
+        assert torch.equal(after.logits[:, :t], before.logits[:, :t])
+        assert (after.region_logits[:, t:] - before.region_logits[:, t:]).abs().max() > 1e-6
+
+
+def test_reading_frame_features_restart_at_an_in_frame_stop():
+    """After TAA ends at position 8, the frame of the codon ending at t = 8 + 3k counts bases since 8; the
+    other frames (no stop) count from the sequence start."""
+    sequence = "CCCCCCTAACCCCCCCCCCC"
+    bases = torch.tensor([[BASES.index(b) for b in sequence]])
+    forward = reading_frame_features(bases)[0, :, :3] * 6  # log1p(bases since the frame's last stop)
+    for t in (11, 14, 17):
+        assert forward[t, 0].expm1().round() == t - 8
+        assert forward[t, 1].expm1().round() == t + 1 and forward[t, 2].expm1().round() == t + 1
+
+
+def statistics(bases, starts):
+    """``STATISTICS`` from (true region × call) tables of bases and of chunk starts."""
+    return torch.tensor([*torch.tensor(bases).flatten().tolist(), *torch.tensor(starts).flatten().tolist()],
+                        dtype=torch.float64)
+
+
+def test_controller_moves_each_bias_toward_its_regions_target():
+    """Calls that match the regions: each bias moves by gain·log(achieved / wanted) rate; a rate on target
+    leaves its bias alone; the counts' scale does not matter; the state is in the state dict."""
+    model = GeneZip(budget_config(region_gain=0.1))
+    budget = model.budget
+    # intergenic: 100 bases, 25 starts (4 per token, wants 6); coding: 300 bases, 100 starts (3, on target)
+    budget.update(statistics([[100, 0], [0, 300]], [[25, 0], [0, 100]]))
+    assert torch.allclose(budget.bias, torch.tensor([-0.1 * math.log(6 / 4), 0.0]))
+    scaled = GeneZip(budget_config(region_gain=0.1)).budget
+    scaled.update(statistics([[100, 0], [0, 300]], [[25, 0], [0, 100]]) / 7)
+    assert torch.allclose(scaled.bias, budget.bias)
+    assert {"budget.bias", "budget.counts", "budget.seen", "budget.updates"} <= set(model.state_dict())
+
+
+def test_controller_undoes_the_calls_mixing():
+    """Mixed calls: the step Δ solves S·Δ = -gain·e, with S[r][k] the share of region r's starts under call
+    k and e_r = log(achieved / wanted), so to first order each true region's log-rate error shrinks by
+    gain·e_r. A step without DNA leaves the state alone."""
+    budget = GeneZip(budget_config(region_gain=0.5)).budget
+    bases, starts = [[80, 20], [30, 270]], [[16, 8], [6, 84]]
+    budget.update(statistics(bases, starts))
+    shares = torch.tensor(starts, dtype=torch.float64)
+    shares = shares / shares.sum(1, keepdim=True)
+    error = torch.log(torch.tensor([24 / 100, 90 / 300], dtype=torch.float64) * torch.tensor([6.0, 3.0], dtype=torch.float64))
+    assert torch.allclose((shares @ budget.bias.double()), -0.5 * error, atol=1e-6)
+    state = {k: v.clone() for k, v in budget.state_dict().items()}
+    budget.update(torch.zeros(8, dtype=torch.float64))
+    assert all(torch.equal(state[k], v) for k, v in budget.state_dict().items())
+
+
+def test_controller_holds_a_bias_at_its_limit_and_steers_the_other_by_least_squares():
+    """Intergenic's bias is at its limit and its rate still too high: it holds, and coding's bias takes the
+    step that minimizes both regions' linearized log-rate errors (the normal equation holds)."""
+    budget = GeneZip(budget_config(region_gain=0.5)).budget
+    budget.bias.copy_(torch.tensor([-BIAS_LIMIT, 0.0]))
+    bases, starts = [[80, 20], [30, 270]], [[16, 8], [6, 84]]  # intergenic 0.24 starts per base, wants 1/6
+    budget.update(statistics(bases, starts))
+    shares = torch.tensor(starts, dtype=torch.float64)
+    shares = shares / shares.sum(1, keepdim=True)
+    error = torch.log(torch.tensor([24 / 100, 90 / 300], dtype=torch.float64) * torch.tensor([6.0, 3.0], dtype=torch.float64))
+    assert budget.bias[0] == -BIAS_LIMIT
+    coding_step = budget.bias[1].double()
+    assert abs(float(shares[:, 1] @ (shares[:, 1] * coding_step + 0.5 * error))) < 1e-6
+    assert coding_step < 0  # coding alone asks for more starts; thinning intergenic's share under coding calls wins
+
+
+def test_controller_moves_both_biases_together_until_the_calls_separate():
+    """Calls that carry the same share of each region's starts: one shift for both biases, by the log of
+    the overall rate over the overall wanted rate."""
+    budget = GeneZip(budget_config(region_gain=1.0)).budget
+    budget.update(statistics([[50, 50], [150, 150]], [[10, 10], [30, 30]]))
+    overall = math.log(80 / (100 / 6 + 300 / 3))
+    assert torch.allclose(budget.bias, torch.tensor([-overall, -overall]), atol=1e-6)

@@ -1,7 +1,8 @@
 """GeneZip under TP, DP and FSDP2 matches one process: 3 AdamW steps through the runtime on real genome
-windows, fp32, one and two chunking stages. Per step the loss (next-base prediction plus the Region-Aware
-Ratio loss) and its parts and the gradient norm, every replica's gradients at the first step
-(``hetero.testing.parity``)."""
+windows, fp32, one and two chunking stages. Per step the loss (next-base prediction, the Region-Aware
+Ratio loss and the region budget's classifier loss) and its parts and the gradient norm, every replica's
+gradients at the first step (``hetero.testing.parity``), and every rank's region-budget state after the
+last step (its controller updates from the step's counts over the global batch)."""
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, load_weights, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_bf16_parity, check_parity, record_reference, record_run
+from hetero.testing.references import RegionBudgetSteps
 
 BATCH, LENGTH, STEPS, LR = 4, 96, 3, 3e-3
 
@@ -47,38 +49,63 @@ def build(stages: int) -> GeneZip:
     return model
 
 
-def reference(stages: int, precision: str = "fp32") -> Record:
+def reference(stages: int, precision: str = "fp32") -> tuple[Record, dict[str, torch.Tensor]]:
+    """The record and the region budget's state after the last step's update."""
     model = build(stages)
+    budget_steps = RegionBudgetSteps(model)
 
     def losses(batch, step):
-        terms = genezip_loss(model.config, model(batch["dna"]), batch["dna"], batch["dna_regions"])
-        return [terms.total(model.config).sum() / BATCH, terms.prediction.sum() / BATCH, terms.ratio.sum() / BATCH]
+        output = model(batch["dna"])
+        terms = genezip_loss(model.config, output, batch["dna"], batch["dna_regions"])
+        budget_steps.record(output, batch["dna_regions"])
+        return [terms.total(model.config).sum() / BATCH, terms.prediction.sum() / BATCH, terms.ratio.sum() / BATCH,
+                terms.region.sum() / BATCH]
 
-    return record_reference({"dna": model}, {"dna": OptimizerConfig(lr=LR)}, batches(), losses, precision=precision)
+    record = record_reference({"dna": model}, {"dna": OptimizerConfig(lr=LR)}, batches(), losses,
+                              before_step=budget_steps, precision=precision)
+    budget_steps()
+    return record, {name: b.clone() for name, b in model.budget.named_buffers()}
 
 
-def run(rank, world_size, layout, options, stages):
+def run(rank, world_size, layout, options, stages, microbatches=1):
     blocks = {"dna": module("genezip", config(stages), layout, OptimizerConfig(lr=LR), options)}
-    runtime = build_runtime(experiment(world_size, blocks, global_batch=BATCH, microbatches=1))
+    runtime = build_runtime(experiment(world_size, blocks, global_batch=BATCH, microbatches=microbatches))
     load_weights(runtime, "dna", build(stages).state_dict())
-    return record_run(runtime, batches(), ("dna.loss", "dna.prediction", "dna.ratio"))
+    record = record_run(runtime, batches(), ("dna.loss", "dna.prediction", "dna.ratio", "dna.region"))
+    return record, {name: b.clone() for name, b in runtime.modules["dna"].model.budget.named_buffers()}
+
+
+def check(results, stages: int, what: str, precision: str = "fp32") -> str:
+    records, budgets = zip(*results)
+    want_record, want_budget = reference(stages, precision)
+    summary = check_parity(list(records), want_record, what)
+    for rank, budget in enumerate(budgets):
+        assert int(budget["updates"]) == STEPS, f"{what}: rank {rank}'s region budget updated {int(budget['updates'])} times"
+        for name, want in want_budget.items():
+            if name == "seen":  # the runtime's counts are per row of the global batch, the reference's are raw
+                budget[name], want = budget[name] / budget[name].sum(), want / want.sum()
+            assert torch.allclose(budget[name].double(), want.double(), rtol=1e-5, atol=1e-6), (
+                f"{what}: rank {rank}'s region budget {name} {budget[name].tolist()} vs one process {want.tolist()}")
+    return summary + f"; region-budget bias {want_budget['bias'].tolist()} on every rank"
 
 
 @pytest.mark.parametrize(
-    "layout,options,stages",
-    [({"tp": 2}, ParallelOptions(), 1), ({"dp": 2}, ParallelOptions(), 1),
-     ({"dp": 2}, ParallelOptions(fsdp=True), 1),
-     ({"tp": 2, "dp": 2}, ParallelOptions(activation_checkpointing=True), 2)],
-    ids=["tp2", "dp2", "dp2+fsdp", "tp2·dp2+checkpointing, 2 stages"],
+    "layout,options,stages,microbatches",
+    [({"tp": 2}, ParallelOptions(), 1, 1), ({"dp": 2}, ParallelOptions(), 1, 2),
+     ({"dp": 2}, ParallelOptions(fsdp=True), 1, 1),
+     ({"tp": 2, "dp": 2}, ParallelOptions(activation_checkpointing=True), 2, 1)],
+    ids=["tp2", "dp2, 2 microbatches", "dp2+fsdp", "tp2·dp2+checkpointing, 2 stages"],
 )
-def test_genezip_parity(layout, options, stages):
+def test_genezip_parity(layout, options, stages, microbatches):
     world = layout.get("tp", 1) * layout.get("dp", 1)
-    results = run_ranks(run, world, layout, options, stages, timeout_s=240)
-    what = f"genezip parity {layout} fsdp={options.fsdp} checkpointing={options.activation_checkpointing} stages={stages}"
-    print("\n" + check_parity(results, reference(stages), what))
+    results = run_ranks(run, world, layout, options, stages, microbatches, timeout_s=240)
+    what = (f"genezip parity {layout} fsdp={options.fsdp} checkpointing={options.activation_checkpointing} "
+            f"stages={stages} microbatches={microbatches}")
+    print("\n" + check(results, stages, what))
 
 
 def test_genezip_bf16_parity():
     """tp2 under bf16 autocast against one process under the same autocast (``check_bf16_parity``)."""
     results = run_ranks(run, 2, {"tp": 2}, ParallelOptions(precision="bf16"), 1, timeout_s=240)
-    print("\n" + check_bf16_parity(results, reference(1, "bf16"), reference(1), "genezip bf16 tp2"))
+    records = [record for record, _ in results]
+    print("\n" + check_bf16_parity(records, reference(1, "bf16")[0], reference(1)[0], "genezip bf16 tp2"))

@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -246,6 +247,12 @@ def test_genezip_and_video_flops_match_torchs_counter():
                                out_size=48)
         counted = counted_forward_flops(GeneZip(config), torch.randint(0, 4, (2, config.seq_len))) / 2
         assert stacked_forward_flops(describe("dna", "genezip", config)) == counted
+    # The region budget's classifier (dynamic routing with two region targets) adds its own FLOPs.
+    config = GeneZipConfig(seq_len=256, hidden_size=32, num_heads=4, region_bpt={"coding": 3.0, "intergenic": 6.0})
+    classifier = counted_forward_flops(GeneZip(config).budget.classifier, torch.randint(0, 4, (2, config.seq_len))) / 2
+    without = replace(config, region_bpt={})
+    assert stacked_forward_flops(describe("dna", "genezip", config)) - stacked_forward_flops(
+        describe("dna", "genezip", without)) == classifier
 
     config, frames = VideoConfig(frame_size=16, patch_size=4, hidden_size=32, num_heads=4, condition_size=24), 6
     attention = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops}

@@ -12,7 +12,8 @@ blocks, widths, steps, batches and seed, at the same average bases per token (BP
 - ``hnet``: dynamic chunking with ``--target-bpt`` everywhere (H-Net's single ratio);
 - ``fixed``: a token every ``--target-bpt`` bases (no router).
 
-Annotations enter only GeneZip's ratio loss in training; evaluation routes raw DNA. Reported on every
+Annotations enter only GeneZip's training (its ratio loss and its region budget's classifier); evaluation
+routes raw DNA. Reported on every
 held-out window, as mean ± std over seeds: bits per base of next-base prediction (overall and per region),
 the achieved BPT per region against its target, and the fewest chunk starts in any routing window and any
 sequence (the floor is ``--min-boundaries`` per window of ``--routing-window`` bases). The targets sweep
@@ -65,12 +66,15 @@ def train(config: GeneZipConfig, data: GenomeWindows, steps: int, lr: float, see
     losses = []
     for step in range(steps):
         batch = data.batch(step)
-        loss = genezip_loss(config, model(batch["bases"]), batch["bases"], batch["regions"])
+        output = model(batch["bases"])
+        loss = genezip_loss(config, output, batch["bases"], batch["regions"])
         optimizer.zero_grad()
         loss.total(config).mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
+        if model.budget is not None:
+            model.budget.update(model.budget.statistics(output.region_logits, output.routings[0].boundary, batch["regions"]))
         losses.append(float(loss.prediction.detach().mean()))
     return model, losses
 
@@ -95,6 +99,8 @@ def train_and_evaluate(run: Run, args: argparse.Namespace, threads: int) -> dict
     result["params"] = float(sum(p.numel() for p in model.parameters()))
     result["seconds"] = time.perf_counter() - started
     result["train_bits_per_base"] = float(bits_per_base(torch.tensor(losses[-50:]).mean()))
+    if model.budget is not None:
+        result["bias"] = model.budget.bias.tolist()
     return result
 
 
@@ -158,7 +164,9 @@ def run_all(runs: list[Run], args: argparse.Namespace) -> list[dict[str, float]]
     def report(run: Run, result: dict[str, float]) -> None:
         print(f"seed {run.seed} {run.name} (ratio {run.ratio:g}): final train {result['train_bits_per_base']:.4f} "
               f"bits/base, held-out {result['bits_per_base']:.4f}, BPT intergenic {result['bpt.intergenic']:.2f} "
-              f"coding {result['bpt.coding']:.2f}, {result['seconds']:.0f} s", flush=True)
+              f"coding {result['bpt.coding']:.2f}"
+              + (", router bias intergenic {:+.2f} coding {:+.2f}".format(*result["bias"]) if "bias" in result else "")
+              + f", {result['seconds']:.0f} s", flush=True)
 
     results = []
     if jobs == 1:

@@ -211,6 +211,16 @@ class Kind:
         """Names of the terms ``stage`` reports besides the loss (``StageResult.parts``)."""
         return ()
 
+    def step_statistics(self, config: Any) -> tuple[str, ...]:
+        """Names of sums over rows that ``stage`` reports in ``StageResult.parts`` for ``after_step``: the
+        runtime reduces them with the loss parts over the global batch, and does not log them."""
+        return ()
+
+    def after_step(self, model: nn.Module, config: Any, statistics: dict[str, float]) -> None:
+        """Called after the module's optimizer step on every rank that holds it, with the step's
+        ``step_statistics`` per row of the global batch (the same on every rank): the place for state
+        that a step's totals set."""
+
     def metric_names(self, config: Any, available: Iterable[str]) -> list[tuple[str, str]]:
         """(name, reduce) of each evaluation metric ``stage`` reports for a batch with columns ``available``."""
         return []

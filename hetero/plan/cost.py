@@ -31,6 +31,7 @@ from hetero.kinds.flops import (
     vit_forward_flops_per_image,
 )
 from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.kinds.genezip.regions import CLASSIFIER_DILATIONS, FEATURES
 from hetero.kinds.gpt.config import GPTConfig
 from hetero.kinds.video.config import VideoConfig
 from hetero.kinds.vit.config import ViTConfig
@@ -153,7 +154,8 @@ def describe(name: str, kind: str, config: GPTConfig | ViTConfig | GeneZipConfig
 def _genezip(name: str, config: GeneZipConfig) -> Transformer:
     """GeneZip at its target rates: each stage's encoder and decoder over its positions (the local window
     is a mask over all of them, so the kernel computes every key), the main network over the last
-    stage's chunks (causal); the router, residual, output head and projector outside the layers."""
+    stage's chunks (causal); the router, residual, output head, projector and region classifier outside
+    the layers."""
     h, stacks, outer, chunks = config.hidden_size, [], [], []
     positions = config.seq_len
     for rate in [config.target_bpt] + [config.inner_bpt] * (config.stages - 1):
@@ -165,6 +167,10 @@ def _genezip(name: str, config: GeneZipConfig) -> Transformer:
     outer.append(Gemm(config.seq_len, h, len(BASES)))  # the next-base head
     if config.out_size:
         outer.append(Gemm(chunks[0], h, config.out_size))
+    if config.region_budget():  # the region classifier: input map, each convolution (3 taps), logit
+        width = config.region_channels
+        outer += [Gemm(config.seq_len, FEATURES, width)]
+        outer += [Gemm(config.seq_len, 3 * width, width)] * len(CLASSIFIER_DILATIONS) + [Gemm(config.seq_len, width, 1)]
     return _stacked(name, "genezip", config.num_heads, h, config.ffn_size, tuple(stacks), tuple(outer),
                     out_tokens=config.max_tokens(), out_width=config.out_size or h)
 

@@ -105,7 +105,7 @@ class Runtime:
             for module in self.modules.values():
                 module.settle_grads()
             squares = {name: module.local_squares() for name, module in self.modules.items()}
-            metrics, self.nonfinite = self._losses_and_nonfinite(executor, squares)
+            metrics, statistics, self.nonfinite = self._losses_and_nonfinite(executor, squares)
         if self.nonfinite:
             for key, end in self.edge_ends().items():
                 end.load_state_dict(edge_states[key])
@@ -125,6 +125,9 @@ class Runtime:
             for name, module in self.modules.items():
                 with self._span(f"{name} optimizer"):
                     module.step(self.step)
+                    node = self.graph.nodes[name]
+                    if node.kind.step_statistics(node.config):
+                        node.kind.after_step(module.model, node.config, statistics[name])
         self.step += 1
         return metrics | {"grad_norm": grad_norm, "stepped": float(math.isfinite(grad_norm))}
 
@@ -183,8 +186,9 @@ class Runtime:
         return mesh.is_last_stage and mesh.coord.tp == 0
 
     def _loss_keys(self) -> list[tuple[str, str]]:
+        """Every module's loss, loss parts and step statistics: sums over rows, reduced together."""
         return [(name, part) for name, node in self.graph.nodes.items() if node.kind.has_loss(node.config)
-                for part in ("loss", *node.kind.loss_parts(node.config))]
+                for part in ("loss", *node.kind.loss_parts(node.config), *node.kind.step_statistics(node.config))]
 
     def _loss_sums(self, executor: Executor) -> torch.Tensor:
         """This rank's share of every module's loss and loss parts (sums over rows): the loss from the
@@ -208,14 +212,21 @@ class Runtime:
     def _reduced_losses(self, sums: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
         """Every module's loss and parts over the global batch(es), and the loss-weighted sum, on every rank."""
         dist.all_reduce(sums)
-        return self._losses_from(sums, counts)
+        return self._losses_from(sums, counts)[0]
 
-    def _losses_from(self, sums: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
-        keys = self._loss_keys()
-        out = {f"{name}.{part}": value / count for (name, part), value, count in zip(keys, sums.tolist(), counts.tolist())}
-        combined = sum(self.graph.nodes[name].settings.loss_weight * out[f"{name}.loss"] for name, part in keys
+    def _losses_from(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[dict[str, float], dict[str, dict]]:
+        """The losses and parts (``<module>.<part>``, and the loss-weighted sum ``loss``), and each module's
+        step statistics ({module: {name: value}}), all per row of the global batch."""
+        out, statistics = {}, {}
+        for (name, part), value, count in zip(self._loss_keys(), sums.tolist(), counts.tolist()):
+            node = self.graph.nodes[name]
+            if part in node.kind.step_statistics(node.config):
+                statistics.setdefault(name, {})[part] = value / count
+            else:
+                out[f"{name}.{part}"] = value / count
+        combined = sum(self.graph.nodes[name].settings.loss_weight * out[f"{name}.loss"] for name, part in self._loss_keys()
                        if part == "loss")
-        return {"loss": combined} | out
+        return {"loss": combined} | out, statistics
 
     def _metric_keys(self, batch) -> list[tuple[str, str, str]]:
         return [(name, metric, reduce) for name, node in self.graph.nodes.items()
@@ -244,7 +255,7 @@ class Runtime:
                 for i, (name, metric, reduce) in enumerate(keys)}
 
     def _losses_and_nonfinite(self, executor: Executor, squares: dict):
-        """The step's losses (as ``_reduced_losses``) and the modules with a NaN or infinite loss or gradient
+        """The step's losses and step statistics (``_losses_from``) and the modules with a NaN or infinite loss or gradient
         on some rank, with those ranks (the same on every rank), in one all-reduce. Checked before the
         gradient sync, which would spread the values."""
         names, world = list(self.graph.nodes), dist.get_world_size()
@@ -260,7 +271,7 @@ class Runtime:
         flags = both[len(sums):].view(len(names), world)
         nonfinite = {name: [int(r) for r in torch.nonzero(flags[i]).flatten()]
                      for i, name in enumerate(names) if flags[i].any()}
-        return self._losses_from(both[: len(sums)], self._loss_counts(executor)), nonfinite
+        return *self._losses_from(both[: len(sums)], self._loss_counts(executor)), nonfinite
 
     def _clip(self, local: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> float:
         """The global gradient norm over every module (from each module's ``local`` squares), agreed by

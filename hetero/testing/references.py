@@ -54,3 +54,21 @@ class VisionDnaLanguageModel(nn.Module):
         dna = self.dna(bases)
         embeddings = torch.cat([self.vision(images), padded_tokens(dna, self.dna.config)], dim=1)
         return self.llm(merge_image_embeddings(self.llm.tok_embeddings(tokens), embeddings)), dna
+
+
+class RegionBudgetSteps:
+    """A one-process reference's side of GeneZip's region budget: ``record`` each forward's counts, and
+    pass the object as ``record_reference``'s ``before_step`` (then call it once more after the last step)
+    to update the budget after every optimizer step from that step's counts, as the runtime does."""
+
+    def __init__(self, model: GeneZip):
+        self.model, self.pending = model, []
+
+    def record(self, output: GeneZipOutput, regions: torch.Tensor) -> None:
+        if self.model.budget is not None:
+            self.pending.append(self.model.budget.statistics(output.region_logits, output.routings[0].boundary, regions))
+
+    def __call__(self, step: int | None = None) -> None:
+        if self.pending:
+            self.model.budget.update(torch.stack(self.pending).sum(0))
+            self.pending = []

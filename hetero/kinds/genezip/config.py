@@ -29,6 +29,10 @@ class GeneZipConfig:
     routing: str = "dynamic"  # "fixed": a token every target_bpt positions (no router)
     target_bpt: float = 4.0  # stage 1's bases per token, one target for every region (H-Net)
     region_bpt: dict[str, float] = field(default_factory=dict)  # Region-Aware Ratio: a target per region
+    # The region budget (``regions.py``), on when the region targets differ: classifier width and the
+    # controller's gain per step.
+    region_channels: int = 96
+    region_gain: float = 0.05
     inner_bpt: float = 2.0  # stage-1 tokens per stage-2 token (stages=2)
     ratio_weight: float = 0.03
     routing_window: int = 64
@@ -50,6 +54,11 @@ class GeneZipConfig:
     def region_targets(self) -> torch.Tensor:
         """Stage 1's bases-per-token target of every region id (``REGIONS`` order)."""
         return torch.tensor([float(self.region_bpt.get(name, self.target_bpt)) for name in REGIONS], device="cpu")
+
+    def region_budget(self) -> bool:
+        """Whether stage 1 routes each region at its own target (the targets differ)."""
+        targets = self.region_targets()
+        return self.routing == "dynamic" and bool((targets != targets[0]).any())
 
     @property
     def stride(self) -> int:
@@ -93,6 +102,11 @@ class GeneZipConfig:
                 f"{prefix}.routing=fixed places a token every target_bpt (and inner_bpt) positions: they must "
                 f"be whole numbers (got {self.target_bpt}, {self.inner_bpt}) and region_bpt empty "
                 f"(got {dict(self.region_bpt)})"
+            )
+        if self.region_channels < 1 or not self.region_gain > 0:
+            errors.append(
+                f"{prefix}.region_channels={self.region_channels} and region_gain={self.region_gain} must be "
+                f">= 1 and > 0"
             )
         if self.min_boundaries < 0 or self.max_boundaries < 0:
             errors.append(f"{prefix}.min_boundaries and max_boundaries must be >= 0")

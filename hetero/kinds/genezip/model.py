@@ -27,6 +27,9 @@ Bounded routing: within every window of ``routing_window`` positions at least ``
 most ``max_boundaries`` (0: no ceiling) positions start a chunk. Both are decided causally: a boundary is
 dropped when earlier ones in its window already reach the ceiling; once the positions left in a window are
 just enough to reach the floor, each of them starts a chunk.
+
+When the region targets differ, a region budget (``regions.py``) classifies every base causally and
+biases stage 1's boundary probabilities per predicted region, so each region meets its own target.
 """
 
 from __future__ import annotations
@@ -40,9 +43,8 @@ from torch import nn
 from hetero.data.genome import BASES
 from hetero.kernels.attention import LocalCausalAttention
 from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.kinds.genezip.regions import RegionBudget
 from hetero.kinds.gpt.model import Block, rope_tables
-
-
 
 
 
@@ -61,6 +63,7 @@ class GeneZipOutput:
     routings: list[Routing]  # stage 1 first
     tokens: torch.Tensor  # (batch, max chunks, width): stage 1's compressed sequence after the main network
     token_valid: torch.Tensor  # (batch, max chunks) bool
+    region_logits: torch.Tensor | None = None  # (batch, seq): the region budget's coding logits
 
 
 class Blocks(nn.Module):
@@ -148,21 +151,29 @@ class ChunkStage(nn.Module):
         self.residual = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.decoder = Blocks(config, config.decoder_layers, config.local_window)
 
-    def route(self, h: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, h: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         config = self.config
         if self.router is None:
             stride = config.stride if self.depth == 0 else int(config.inner_bpt)
             boundary = (torch.arange(h.shape[1], device=h.device) % stride == 0).expand(h.shape[0], -1)
             return boundary.to(h.dtype), boundary & valid
         probability = self.router(h)
+        if bias is not None:  # the region budget's log-odds shift; position 0 always starts a chunk
+            shifted = torch.sigmoid(torch.logit(probability[:, 1:].clamp(1e-6, 1 - 1e-6)) + bias[:, 1:])
+            probability = torch.cat([probability[:, :1], shifted], 1)
         boundary = probability >= 0.5
         if self.depth == 0:
             boundary = bound_boundaries(boundary, config.routing_window, config.min_boundaries, config.max_boundaries)
         return probability, boundary & valid
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, list[Routing], tuple]:
+    def forward(
+        self, x: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[Routing], tuple]:
+        """``bias`` (batch, length): added to the router's log-odds (stage 1 under a region budget)."""
         h = self.encoder(x)
-        probability, boundary = self.route(h, valid)
+        probability, boundary = self.route(h, valid, bias)
         counts = boundary.sum(1)
         # Boundary positions first, in order (a stable sort), then cut at the longest row's count.
         order = torch.argsort((~boundary).to(torch.int8), dim=1, stable=True)[:, : int(counts.max())]
@@ -189,6 +200,9 @@ class GeneZip(nn.Module):
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.output = nn.Linear(config.hidden_size, len(BASES), bias=False)
         self.projector = nn.Linear(config.hidden_size, config.out_size, bias=False) if config.out_size else None
+        self.budget = RegionBudget(
+            config.region_targets(), config.region_channels, config.region_gain
+        ) if config.region_budget() else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -200,15 +214,23 @@ class GeneZip(nn.Module):
                 with torch.no_grad():
                     module.wq.weight.copy_(torch.eye(self.config.hidden_size))
                     module.wk.weight.copy_(torch.eye(self.config.hidden_size))
+        if self.budget is not None:  # the classifier keeps torch's default initialisation
+            for module in self.budget.modules():
+                if isinstance(module, (nn.Linear, nn.Conv1d)):
+                    module.reset_parameters()
 
     def forward(self, bases: torch.Tensor) -> GeneZipOutput:
         """``bases`` (batch, seq) ids in ``BASES`` order."""
         x = self.embedding(bases)
         valid = torch.ones(bases.shape, dtype=torch.bool, device=bases.device)
-        y, routings, (tokens, token_valid) = self.stage(x, valid)
+        region_logits = bias = None
+        if self.budget is not None:
+            region_logits = self.budget(bases)
+            bias = self.budget.router_bias(region_logits)
+        y, routings, (tokens, token_valid) = self.stage(x, valid, bias)
         if self.projector is not None:
             tokens = self.projector(tokens) * token_valid.unsqueeze(-1)
-        return GeneZipOutput(self.output(self.norm(y)), routings, tokens, token_valid)
+        return GeneZipOutput(self.output(self.norm(y)), routings, tokens, token_valid, region_logits)
 
 
 def padded_tokens(output: GeneZipOutput, config: GeneZipConfig) -> torch.Tensor:

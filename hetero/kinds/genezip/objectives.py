@@ -22,9 +22,10 @@ class GeneZipLoss:
 
     prediction: torch.Tensor  # next-base cross-entropy, nats per base
     ratio: torch.Tensor  # the ratio losses of every stage, summed
+    region: torch.Tensor  # the region budget's classifier cross-entropy, nats per base (0 without one)
 
     def total(self, config: GeneZipConfig) -> torch.Tensor:
-        return self.prediction + config.ratio_weight * self.ratio
+        return self.prediction + config.ratio_weight * self.ratio + self.region
 
 
 def next_base_loss(logits: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
@@ -55,9 +56,15 @@ def genezip_loss(
     config: GeneZipConfig, output: GeneZipOutput, bases: torch.Tensor, regions: torch.Tensor | None
 ) -> GeneZipLoss:
     """Stage 1's ratio loss uses the per-region targets (``regions`` are needed only when the targets
-    differ); stage 2 aims at ``inner_bpt`` everywhere. A fixed-stride model has no ratio loss."""
+    differ, which also trains the region budget's classifier on them); stage 2 aims at ``inner_bpt``
+    everywhere. A fixed-stride model has no ratio loss."""
     prediction = next_base_loss(output.logits, bases)
     ratio = torch.zeros_like(prediction)
+    region = torch.zeros_like(prediction)
+    if output.region_logits is not None:
+        region = F.binary_cross_entropy_with_logits(
+            output.region_logits.float(), regions.float(), reduction="none"
+        ).mean(1)
     if config.routing == "dynamic":
         targets = config.region_targets()
         if bool((targets == targets[0]).all()):
@@ -66,7 +73,7 @@ def genezip_loss(
             ratio = ratio + ratio_loss(output.routings[0], targets, regions)
         for routing in output.routings[1:]:
             ratio = ratio + ratio_loss(routing, torch.tensor([config.inner_bpt], device="cpu"), None)
-    return GeneZipLoss(prediction, ratio)
+    return GeneZipLoss(prediction, ratio, region)
 
 
 def bits_per_base(prediction: torch.Tensor) -> torch.Tensor:

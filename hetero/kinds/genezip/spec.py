@@ -3,7 +3,9 @@
 Reads ``dna`` (base ids) and ``dna_regions`` (coding / intergenic, for the Region-Aware Ratio targets) of
 the rows with ``has_dna``; output ``embeddings`` (``max_tokens()`` × ``out_size``, when ``out_size`` > 0):
 its compressed tokens, zero-padded, for another module. Loss: next-base prediction plus the ratio loss per
-window, summed, over the global count of windows (parts ``prediction`` and ``ratio``). Evaluation adds
+window, summed, over the global count of windows (parts ``prediction`` and ``ratio``; with a region budget
+also ``region``, its classifier's loss; the counts its controller reads after every optimizer step are the
+step statistics ``regions.STATISTICS``). Evaluation adds
 bits per base (overall and per region), the bases per token achieved per region, and the fewest chunk
 starts in any routing window and any window.
 """
@@ -19,6 +21,7 @@ from hetero.kinds.genezip.config import GeneZipConfig
 from hetero.kinds.genezip.model import GeneZip, padded_tokens
 from hetero.kinds.genezip.objectives import genezip_loss, region_nats, routing_counts
 from hetero.kinds.genezip.plan import parallelize_genezip
+from hetero.kinds.genezip.regions import STATISTICS
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
 
 
@@ -37,7 +40,13 @@ class GeneZipKind(Kind):
         return ("dna", "dna_regions")
 
     def loss_parts(self, config: GeneZipConfig) -> tuple[str, ...]:
-        return ("prediction", "ratio")
+        return ("prediction", "ratio") + (("region",) if config.region_budget() else ())
+
+    def step_statistics(self, config: GeneZipConfig) -> tuple[str, ...]:
+        return STATISTICS if config.region_budget() else ()
+
+    def after_step(self, model: GeneZip, config: GeneZipConfig, statistics: dict[str, float]) -> None:
+        model.budget.update(torch.tensor([statistics[name] for name in STATISTICS], dtype=torch.float64))
 
     def metric_names(self, config: GeneZipConfig, available) -> list[tuple[str, str]]:
         names = ["bits_per_base", *(f"bits.{r}" for r in REGIONS), *(f"bpt.{r}" for r in REGIONS), "bpt"]
@@ -53,6 +62,10 @@ class GeneZipKind(Kind):
         result = StageResult(
             loss=terms.total(config).sum(), parts={"prediction": terms.prediction.sum(), "ratio": terms.ratio.sum()}
         )
+        if model.budget is not None:
+            result.parts["region"] = terms.region.sum()
+            counts = model.budget.statistics(output.region_logits, output.routings[0].boundary, regions)
+            result.parts |= dict(zip(STATISTICS, counts))
         if config.out_size:
             result.outputs["embeddings"] = padded_tokens(output, config)
         if not step.training:

@@ -147,8 +147,8 @@ class ExperimentConfig:
 
     def model_config(self, module: str, registry: KindRegistry | None = None) -> Any:
         """The module's typed model config (e.g. ``GPTConfig``), of its kind in ``registry`` (default:
-        ``hetero.kinds.default_registry()``)."""
-        from hetero.kinds import default_registry
+        ``hetero.models.default_registry()``)."""
+        from hetero.models import default_registry
 
         spec = self.modules[module]
         registry = registry or default_registry()
@@ -200,7 +200,7 @@ def _refuse_targets(node: Any, where: str) -> None:
         for key, value in node.items():
             path = f"{where}.{key}" if where else str(key)
             if key == "_target_":
-                from hetero.kinds import default_registry
+                from hetero.models import default_registry
 
                 raise ConfigError(
                     f"{path}={value!r}: configs cannot name classes to instantiate; a module picks its model "

@@ -5,7 +5,7 @@ RoPE shape error on one rank and a gloo "collective mismatch" abort on the other
 import torch
 
 from hetero.config import OptimizerConfig
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.models.gpt.config import GPTConfig
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module

@@ -18,8 +18,8 @@ import torch
 from boundary_oracle import reference_indices, take
 from test_vlm_parity import CLIP, LLM, OPTIM, VISION, batches, reference
 
-from hetero.kinds.gpt.model import GPT, token_loss_sum
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.models.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.config import GPTConfig
 from hetero.testing.references import VisionLanguageModel
 from hetero.parallel.boundary import Sharding, Side, TensorSpec
 from hetero.parallel.compressed_boundary import CompressedBoundary

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from compression_oracle import owner_zeros, quant_sum, topk_sum
-from hetero.kinds.gpt.model import GPT, token_loss_sum
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.models.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.config import GPTConfig
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
 from hetero.parallel.compression.diloco import _split_evenly
 from hetero.config import CheckpointConfig, OptimizerConfig

@@ -480,8 +480,8 @@ def test_the_dataset_must_hold_what_each_module_reads():
 
 
 def test_kinds_register_once_and_unknown_ones_are_listed():
-    from hetero.kinds import default_registry
-    from hetero.kinds.gpt.spec import GPTKind
+    from hetero.models import default_registry
+    from hetero.models.gpt.spec import GPTKind
 
     registry = default_registry()
     with pytest.raises(ConfigError, match=r"cannot register kind GPTKind: 'gpt' is already registered"):

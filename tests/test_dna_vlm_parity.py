@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from hetero.data.genome import annotated_genome
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.genezip.objectives import genezip_loss
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.model import token_loss_sum
+from hetero.models.genezip.config import GeneZipConfig
+from hetero.models.genezip.objectives import genezip_loss
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.model import token_loss_sum
 from hetero.testing.references import IMAGE_TOKEN, RegionBudgetSteps, VisionDnaLanguageModel
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.vit.config import ViTConfig
 from hetero.config import OptimizerConfig
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module

@@ -11,10 +11,10 @@ from hetero.kinds.flops import (
     gpt_forward_flops_per_token,
     vit_forward_flops_per_image,
 )
-from hetero.kinds.gpt.model import GPT, token_loss_sum
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.vit.model import VisionEncoder
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.vit.model import VisionEncoder
+from hetero.models.vit.config import ViTConfig
 
 
 def test_gpt_training_flops_match_megatron_closed_form():

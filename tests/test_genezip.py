@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hetero.kinds.genezip.model import (
+from hetero.models.genezip.model import (
     GeneZip,
     Routing,
     bound_boundaries,
@@ -17,9 +17,9 @@ from hetero.kinds.genezip.model import (
     straight_through,
 )
 from hetero.bench.dechunk import smooth_chunks_loop, worst_case
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.genezip.objectives import genezip_loss, ratio_loss, routing_counts
-from hetero.kinds.genezip.regions import BIAS_LIMIT, reading_frame_features
+from hetero.models.genezip.config import GeneZipConfig
+from hetero.models.genezip.objectives import genezip_loss, ratio_loss, routing_counts
+from hetero.models.genezip.regions import BIAS_LIMIT, reading_frame_features
 from hetero.data.genome import BASES
 
 SMALL = dict(seq_len=96, hidden_size=32, num_heads=4, main_layers=1, local_window=8, routing_window=16)

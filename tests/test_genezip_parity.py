@@ -9,9 +9,9 @@ import torch
 
 from hetero.config import OptimizerConfig
 from hetero.data.genome import annotated_genome
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.genezip.model import BoundaryRouter, GeneZip
-from hetero.kinds.genezip.objectives import genezip_loss
+from hetero.models.genezip.config import GeneZipConfig
+from hetero.models.genezip.model import BoundaryRouter, GeneZip
+from hetero.models.genezip.objectives import genezip_loss
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, load_weights, module

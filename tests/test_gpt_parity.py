@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hetero.config import OptimizerConfig
-from hetero.kinds.gpt.config import GPTConfig, RopeScaling
-from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.config import GPTConfig, RopeScaling
+from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module
@@ -176,7 +176,7 @@ def test_runtime_refuses_a_layout_the_model_cannot_take(layout, config, message)
         run_ranks(build_runtime_with_bad_layout, 2, layout, config, timeout_s=60)
 
 
-# Qwen-style blocks (hetero/kinds/gpt/hf.py imports them): biases on q, k, v, RMSNorm of each head's q and
+# Qwen-style blocks (hetero/models/gpt/hf.py imports them): biases on q, k, v, RMSNorm of each head's q and
 # k, a head_dim that is not hidden_size / num_heads, YaRN-scaled RoPE.
 QWEN = replace(CONFIG, qkv_bias=True, qk_norm=True, head_dim=16,
                rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position=8))

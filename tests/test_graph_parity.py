@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from hetero.testing.full_graph import SEED_OFFSETS, FullGraphModel, GraphConfigs, combined_loss
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.models.genezip.config import GeneZipConfig
+from hetero.models.gpt.config import GPTConfig
 from hetero.testing.references import IMAGE_TOKEN
-from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.video.memory import MemoryConfig
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.video.config import VideoConfig
+from hetero.models.video.memory import MemoryConfig
+from hetero.models.vit.config import ViTConfig
 from hetero.config import OptimizerConfig
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime

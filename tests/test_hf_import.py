@@ -1,4 +1,4 @@
-"""Hugging Face decoders imported into hetero's GPT (``hetero/kinds/gpt/hf.py``): tiny random Llama, Qwen2,
+"""Hugging Face decoders imported into hetero's GPT (``hetero/models/gpt/hf.py``): tiny random Llama, Qwen2,
 Qwen3 and Mistral models built offline with ``transformers``, every weight perturbed (norms off 1, biases
 off 0), saved with ``save_pretrained`` (sharded with an index for one), imported, and run on the same
 tokens: logits equal to transformers' within 1e-5 in fp32. Configs hetero does not model are refused by
@@ -12,8 +12,8 @@ import transformers
 
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint
-from hetero.kinds.gpt.hf import gpt_config, load_gpt
-from hetero.kinds.gpt.model import GPT
+from hetero.models.gpt.hf import gpt_config, load_gpt
+from hetero.models.gpt.model import GPT
 
 SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=64)

@@ -1,4 +1,4 @@
-"""Hugging Face vision towers imported into hetero's ViT (``hetero/kinds/vit/hf.py``): tiny random SigLIP
+"""Hugging Face vision towers imported into hetero's ViT (``hetero/models/vit/hf.py``): tiny random SigLIP
 and CLIP models built offline with ``transformers`` (vision models, and the vision half of full
 SiglipModel / CLIPModel checkpoints), every weight perturbed (norms off 1, biases off 0), saved with
 ``save_pretrained``, imported, and run on the same images: per-patch features equal to transformers'
@@ -14,8 +14,8 @@ import transformers
 
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint
-from hetero.kinds.vit.hf import check_weights, load_vit, passed_over, vit_config
-from hetero.kinds.vit.model import VisionEncoder
+from hetero.models.vit.hf import check_weights, load_vit, passed_over, vit_config
+from hetero.models.vit.model import VisionEncoder
 
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_channels=1,
               image_size=32, patch_size=8)

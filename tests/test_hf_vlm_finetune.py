@@ -15,8 +15,8 @@ from test_hf_vision import images
 from test_hf_import import imported
 
 from hetero.interop.hf_checkpoint import HFCheckpoint
-from hetero.kinds.vit.hf import load_vit, vit_config
-from hetero.kinds.vit.model import VisionEncoder
+from hetero.models.vit.hf import load_vit, vit_config
+from hetero.models.vit.model import VisionEncoder
 
 EXPERIMENT = """\
 # @package _global_

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.moe import MoEFeedForward
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.moe import MoEFeedForward
 from hetero.parallel.expert_parallel import ExpertAllToAll, shard_experts
 from hetero.testing.multiprocess import run_ranks
 

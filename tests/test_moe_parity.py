@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hetero.config import OptimizerConfig
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.model import GPT, token_loss_sum
-from hetero.kinds.gpt.moe import MoEFeedForward
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.moe import MoEFeedForward
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module

@@ -18,9 +18,9 @@ from hetero.config import OptimizerConfig
 from hetero.data.native_images import fit_to_patches, image_columns, load_photos, multimodal_document, photo_crops
 from hetero.data.packing import pack_rows, stack_rows
 from hetero.data.digits import IGNORE_INDEX
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.model import token_loss_sum
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.model import token_loss_sum
+from hetero.models.vit.config import ViTConfig
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.runtime.rows import StepRows

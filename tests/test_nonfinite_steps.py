@@ -12,7 +12,7 @@ import sys
 import torch
 
 from hetero.config import load_experiment
-from hetero.kinds.gpt.spec import GPTKind
+from hetero.models.gpt.spec import GPTKind
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
 from hetero.parallel.data import local_data
 from hetero.runtime import build_runtime
@@ -93,7 +93,7 @@ def test_nan_in_a_loss_with_finite_gradients_skips_the_step_everywhere():
 
 STOP_AT_A_NAN_LOSS = """
 import sys
-from hetero.kinds.gpt.spec import GPTKind
+from hetero.models.gpt.spec import GPTKind
 from test_nonfinite_steps import nan_loss
 GPTKind.stage = nan_loss(GPTKind.stage)
 from hetero.train.run import main

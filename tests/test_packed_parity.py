@@ -15,9 +15,9 @@ import torch
 from hetero.config import OptimizerConfig
 from hetero.data.digits import IGNORE_INDEX
 from hetero.data.packing import next_token_document, pack_rows, stack_rows
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.model import GPT, token_loss_sum
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.model import GPT, token_loss_sum
+from hetero.models.vit.config import ViTConfig
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module

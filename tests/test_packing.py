@@ -9,8 +9,8 @@ from hetero.data.packing import PackingError, next_token_document, pack_rows, pa
 from hetero.kernels.attention import causal_attention
 from hetero.kernels.block_attention import block_backward, block_forward, merge_blocks
 from hetero.kernels.documents import EMPTY, Documents, document_errors, document_positions
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.model import GPT
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.model import GPT
 
 
 def texts(lengths, seed=0):

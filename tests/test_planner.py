@@ -11,7 +11,7 @@ from hetero.cli import main
 from hetero.config import load_experiment
 from hetero.graph import build_graph
 from hetero.errors import ConfigError
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.models.gpt.config import GPTConfig
 from hetero.plan.cluster import ClusterSpec, DeviceSpec, LinkSpec, cluster_from_dict, load_cluster
 from hetero.plan.cost import GIB, Choice, CostModel, allreduce_s, describe, stacked_forward_flops
 from hetero.plan.report import heterogeneous_gain
@@ -235,11 +235,11 @@ def test_genezip_and_video_flops_match_torchs_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
     from hetero.kinds.flops import _attention_flops, counted_forward_flops
-    from hetero.kinds.genezip.config import GeneZipConfig
-    from hetero.kinds.genezip.model import GeneZip
-    from hetero.kinds.video.config import VideoConfig
-    from hetero.kinds.video.model import VideoGenerator
-    from hetero.kinds.video.objectives import flow_matching_loss
+    from hetero.models.genezip.config import GeneZipConfig
+    from hetero.models.genezip.model import GeneZip
+    from hetero.models.video.config import VideoConfig
+    from hetero.models.video.model import VideoGenerator
+    from hetero.models.video.objectives import flow_matching_loss
 
     torch.manual_seed(0)
     for stages in (1, 2):

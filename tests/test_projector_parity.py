@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from hetero.config import OptimizerConfig
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.model import GPT, token_loss_sum
-from hetero.kinds.projector.config import ProjectorConfig
-from hetero.kinds.projector.model import MLPProjector
-from hetero.kinds.vit.config import ViTConfig
-from hetero.kinds.vit.model import VisionEncoder
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.model import GPT, token_loss_sum
+from hetero.models.projector.config import ProjectorConfig
+from hetero.models.projector.model import MLPProjector
+from hetero.models.vit.config import ViTConfig
+from hetero.models.vit.model import VisionEncoder
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks

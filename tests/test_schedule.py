@@ -8,10 +8,10 @@ import pytest
 
 from hetero.errors import ConfigError
 from hetero.graph import build_graph
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.video.memory import MemoryConfig
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.video.config import VideoConfig
+from hetero.models.video.memory import MemoryConfig
+from hetero.models.vit.config import ViTConfig
 from hetero.parallel.pipeline import SCHEDULES, schedule_actions
 from hetero.runtime.schedule import Action, ScheduleError, check_actions, check_schedule
 from hetero.testing.experiments import experiment, module

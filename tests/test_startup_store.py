@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from hetero.bench.scale import gloo_store_requests, joined_groups
 from hetero.graph import build_graph
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.vit.config import ViTConfig
 from hetero.parallel.boundary import Boundary
 from hetero.parallel.boundary_plan import Side, TensorSpec
 from hetero.parallel.mesh import build_module_meshes

@@ -16,11 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from signal_encoder.kind import SignalConfig, SignalEncoder, SignalKind  # noqa: E402
 
 from hetero.config import OptimizerConfig  # noqa: E402
-from hetero.kinds import default_registry  # noqa: E402
-from hetero.kinds.gpt.config import GPTConfig  # noqa: E402
-from hetero.kinds.gpt.model import GPT, token_loss_sum  # noqa: E402
-from hetero.kinds.vit.config import ViTConfig  # noqa: E402
-from hetero.kinds.vit.model import VisionEncoder  # noqa: E402
+from hetero.models import default_registry  # noqa: E402
+from hetero.models.gpt.config import GPTConfig  # noqa: E402
+from hetero.models.gpt.model import GPT, token_loss_sum  # noqa: E402
+from hetero.models.vit.config import ViTConfig  # noqa: E402
+from hetero.models.vit.model import VisionEncoder  # noqa: E402
 from hetero.runtime import build_runtime  # noqa: E402
 from hetero.testing.experiments import experiment, module  # noqa: E402
 from hetero.testing.multiprocess import run_ranks  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hetero.data.video_clips import make_clips
-from hetero.kinds.video.model import (
+from hetero.models.video.model import (
     FrameCache,
     VideoGenerator,
     context_schedule,
@@ -21,10 +21,10 @@ from hetero.kinds.video.model import (
     training_distances,
     unpatchify,
 )
-from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.video.memory import FrameMemory, MemoryConfig
-from hetero.kinds.video.router import ImportanceRouter, ema_importance, sparsity
-from hetero.kinds.video.objectives import clip_attention, flow_matching_loss, sequence_tokens
+from hetero.models.video.config import VideoConfig
+from hetero.models.video.memory import FrameMemory, MemoryConfig
+from hetero.models.video.router import ImportanceRouter, ema_importance, sparsity
+from hetero.models.video.objectives import clip_attention, flow_matching_loss, sequence_tokens
 
 CONFIG = VideoConfig(frame_size=16, patch_size=4, hidden_size=32, num_layers=2, num_heads=4, max_distance=16)
 MEMORIES = {

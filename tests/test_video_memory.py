@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hetero.errors import ConfigError
-from hetero.kinds.video.memory import POLICIES, FrameMemory, MemoryConfig
+from hetero.models.video.memory import POLICIES, FrameMemory, MemoryConfig
 
 A, B, S = torch.eye(4)[0], torch.eye(4)[1], torch.eye(4)[2]
 STREAM = [A] * 4 + [B] * 8 + [A] * 4  # frames 0-3 show content A, 4-11 B, 12-15 A again

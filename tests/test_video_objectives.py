@@ -3,10 +3,10 @@ parallel next-frame sampling the benchmark measures against the KV-cached genera
 
 import torch
 
-from hetero.kinds.video.model import FrameCache, VideoGenerator, euler_step, patchify
-from hetero.kinds.video.memory import MemoryConfig
-from hetero.kinds.video.objectives import distillation_loss, next_frame_errors, rollout
-from hetero.kinds.video.router import ImportanceRouter
+from hetero.models.video.model import FrameCache, VideoGenerator, euler_step, patchify
+from hetero.models.video.memory import MemoryConfig
+from hetero.models.video.objectives import distillation_loss, next_frame_errors, rollout
+from hetero.models.video.router import ImportanceRouter
 from test_video_generator import CONFIG, clip_frames
 
 LEARNED = MemoryConfig(policy="learned", budget=4, window=2)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hetero.config import OptimizerConfig
-from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.video.memory import MemoryConfig
-from hetero.kinds.video.spec import VideoModule, clip_losses
+from hetero.models.video.config import VideoConfig
+from hetero.models.video.memory import MemoryConfig
+from hetero.models.video.spec import VideoModule, clip_losses
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from hetero.kinds.vit.model import VisionEncoder
-from hetero.kinds.vit.config import ViTConfig
-from hetero.kinds.vit.plan import parallelize_vision
+from hetero.models.vit.model import VisionEncoder
+from hetero.models.vit.config import ViTConfig
+from hetero.models.vit.plan import parallelize_vision
 from hetero.parallel.data import AllReduceGradSync
 from hetero.parallel.layout import LayoutSpec
 from hetero.parallel.mesh import build_module_meshes

@@ -12,10 +12,10 @@ global gradient-norm clip.
 import pytest
 import torch
 
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.models.gpt.config import GPTConfig
 from hetero.config import OptimizerConfig
-from hetero.kinds.gpt.model import token_loss_sum
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.gpt.model import token_loss_sum
+from hetero.models.vit.config import ViTConfig
 from hetero.parallel.options import ParallelOptions
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module

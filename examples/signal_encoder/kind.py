@@ -5,7 +5,7 @@ module ``tokens`` = length / stride embeddings of width ``out_size``: a strided 
 linear projection. Nothing here imports hetero's built-in kinds; the runtime learns everything it needs
 from the ``Kind`` below, registered by user code::
 
-    from hetero.kinds import default_registry
+    from hetero.models import default_registry
     from signal_encoder.kind import SignalKind
 
     registry = default_registry()

@@ -21,8 +21,8 @@ import torch
 
 from hetero.data.digits import dp_rows
 from hetero.data.native_images import fit_to_patches, load_photos, patchify, photo_crops
-from hetero.kinds.vit.config import ViTConfig
-from hetero.kinds.vit.model import VisionEncoder
+from hetero.models.vit.config import ViTConfig
+from hetero.models.vit.model import VisionEncoder
 from hetero.runtime.rows import balanced_split
 
 PATCH = 16

@@ -24,8 +24,8 @@ from hetero.bench.ddp_powersgd_peer import AllReduceCounter, ddp_with_powersgd
 from hetero.config import OptimizerConfig, load_experiment
 from hetero.data.digits import DigitBatches, dp_rows, ensure_digit_shards
 from hetero.data.text import VOCAB_SIZE, heldout_batches, load_stdlib_corpus, sample_batch
-from hetero.kinds.gpt.model import GPT, token_loss_sum
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.models.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.config import GPTConfig
 from hetero.testing.references import VisionLanguageModel
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.runtime import build_runtime

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from hetero.kinds.genezip.model import smooth_chunks
+from hetero.models.genezip.model import smooth_chunks
 
 Smoother = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from hetero.data.genome import REGIONS, GenomeOptions, GenomeWindows, ensure_genome_shards
-from hetero.kinds.genezip.model import GeneZip
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.genezip.objectives import bits_per_base, genezip_loss, heldout_metrics
+from hetero.models.genezip.model import GeneZip
+from hetero.models.genezip.config import GeneZipConfig
+from hetero.models.genezip.objectives import bits_per_base, genezip_loss, heldout_metrics
 
 VARIANTS = ("genezip", "hnet", "fixed")
 

@@ -127,8 +127,8 @@ def gpt_rows(device: torch.device, layers: int) -> list[Row]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from hetero.kinds.flops import TRAINING_MULTIPLIER, gpt_forward_flops_per_token
-    from hetero.kinds.gpt.config import GPTConfig
-    from hetero.kinds.gpt.model import GPT, token_loss_sum
+    from hetero.models.gpt.config import GPTConfig
+    from hetero.models.gpt.model import GPT, token_loss_sum
 
     config = GPTConfig(vocab_size=32000, hidden_size=2048, num_layers=layers, num_heads=16, ffn_hidden_size=5632,
                        seq_len=2048)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.hf import gpt_weights, hf_config, weight_names
-from hetero.kinds.gpt.model import GPT
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.hf import gpt_weights, hf_config, weight_names
+from hetero.models.gpt.model import GPT
 from hetero.testing.multiprocess import run_ranks
 
 SHARD_BYTES = 64 << 20

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from hetero.config import OptimizerConfig
 from hetero.data.text import load_stdlib_corpus
 from hetero.kinds.flops import active_ffn_size
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.moe import MoEFeedForward
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.moe import MoEFeedForward
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks

@@ -17,8 +17,8 @@ import torch
 
 from hetero.config import OptimizerConfig
 from hetero.data.text import VOCAB_SIZE, load_stdlib_corpus, sample_batch
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.parallel.mesh import init_single_process
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module

@@ -20,8 +20,8 @@ import torch
 from hetero.data.packing import next_token_document, pack_rows, padded_rows, stack_rows
 from hetero.data.text import SEPARATOR, load_stdlib_corpus
 from hetero.kernels.documents import Documents
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.model import GPT, token_loss_sum
 
 
 def paragraphs(count: int, seq_len: int) -> list[torch.Tensor]:

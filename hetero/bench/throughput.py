@@ -131,7 +131,7 @@ def model_flops(experiment: ExperimentConfig, dna_forward_per_sample: float | No
 def dna_forward_flops_per_sample(experiment: ExperimentConfig) -> float:
     """GeneZip's forward FLOPs per window, counted on the first training batch of real windows with the
     runtime's initial weights (dynamic chunking makes the count depend on both)."""
-    from hetero.kinds.genezip.model import GeneZip
+    from hetero.models.genezip.model import GeneZip
     from hetero.train.datasets import load
 
     windows = load(experiment, build_graph(experiment), "train").batch(0)["dna"]

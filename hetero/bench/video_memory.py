@@ -32,17 +32,17 @@ from pathlib import Path
 import torch
 
 from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards, make_clips
-from hetero.kinds.video.model import FrameCache, VideoGenerator, context_schedule, patchify
-from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.video.memory import MemoryConfig
-from hetero.kinds.video.objectives import (
+from hetero.models.video.model import FrameCache, VideoGenerator, context_schedule, patchify
+from hetero.models.video.config import VideoConfig
+from hetero.models.video.memory import MemoryConfig
+from hetero.models.video.objectives import (
     distillation_loss,
     flow_matching_loss,
     next_frame_errors,
     rollout,
     to_model,
 )
-from hetero.kinds.video.router import ImportanceRouter
+from hetero.models.video.router import ImportanceRouter
 
 ORDER = ("full", "sliding", "sink_window", "slow_fast", "learned")
 

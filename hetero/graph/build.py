@@ -11,7 +11,7 @@ from __future__ import annotations
 from hetero.config import ExperimentConfig
 from hetero.errors import ConfigError
 from hetero.graph.graph import Edge, Graph, Node
-from hetero.kinds import default_registry
+from hetero.models import default_registry
 from hetero.kinds.registry import KindRegistry
 from hetero.parallel.sharding import Sharding
 from hetero.parallel.placement import Placement, place

@@ -63,7 +63,7 @@ def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path) ->
     from omegaconf import OmegaConf
 
     from hetero.errors import ConfigError
-    from hetero.kinds import default_registry
+    from hetero.models import default_registry
     from hetero.train.checkpoint_files import SafeFileSystemReader, read_manifest
 
     checkpoint, path = Path(checkpoint), Path(path)

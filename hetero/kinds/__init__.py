@@ -1,28 +1,6 @@
-"""Module kinds: each a folder with its config and layout checks (``config.py``), the pure model
-(``model.py``), its parallelize plan (``plan.py``) and what the runtime needs of it (``spec.py``).
+"""The module-kind contract: ``registry.py`` (``Kind``, ``Port``, ``StageStep``, ``StageResult``,
+``KindRegistry``), the layout checks kinds share (``layout_checks.py``) and FLOP counts (``flops.py``).
 
-``default_registry()`` holds the built-in kinds (``gpt``, ``vit``, ``projector``, ``genezip``, ``video``) and every kind
-installed packages declare under the entry-point group ``hetero.kinds``; user code may register more.
+The built-in kinds live in ``hetero.models``; ``hetero.models.default_registry()`` gathers them with
+every kind installed packages declare under the entry-point group ``hetero.kinds``.
 """
-
-from __future__ import annotations
-
-from importlib.metadata import entry_points
-
-from hetero.kinds.genezip.spec import GeneZipKind
-from hetero.kinds.gpt.spec import GPTKind
-from hetero.kinds.projector.spec import ProjectorKind
-from hetero.kinds.registry import ENTRY_POINT_GROUP, Kind, KindRegistry
-from hetero.kinds.video.spec import VideoKind
-from hetero.kinds.vit.spec import ViTKind
-
-BUILT_IN: tuple[Kind, ...] = (GPTKind(), ViTKind(), ProjectorKind(), GeneZipKind(), VideoKind())
-
-
-def default_registry() -> KindRegistry:
-    """A fresh registry of the built-in kinds and the installed packages' ``hetero.kinds`` entry points
-    (each a ``Kind`` instance or class)."""
-    registry = KindRegistry(BUILT_IN)
-    for point in entry_points(group=ENTRY_POINT_GROUP):
-        registry.register(point.load())
-    return registry

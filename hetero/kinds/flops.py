@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.vit.config import ViTConfig
 
 TRAINING_MULTIPLIER = 3  # forward + backward (input and weight gradients)
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 if TYPE_CHECKING:
-    from hetero.kinds.gpt.moe import Experts
+    from hetero.models.gpt.moe import Experts
 
 
 class _Exchange(torch.autograd.Function):

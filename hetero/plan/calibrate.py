@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hetero.kinds.gpt.model import Block, rope_tables
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.plan import block_plan
+from hetero.models.gpt.model import Block, rope_tables
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.plan import block_plan
 from hetero.plan.cluster import ClusterSpec, DeviceSpec, LinkSpec
 from hetero.plan.cost import allreduce_s
 from hetero.testing.multiprocess import run_ranks

@@ -30,11 +30,11 @@ from hetero.kinds.flops import (
     projector_forward_flops_per_image,
     vit_forward_flops_per_image,
 )
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.genezip.regions import CLASSIFIER_DILATIONS, FEATURES
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.genezip.config import GeneZipConfig
+from hetero.models.genezip.regions import CLASSIFIER_DILATIONS, FEATURES
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.video.config import VideoConfig
+from hetero.models.vit.config import ViTConfig
 from hetero.plan.cluster import ClusterSpec, LinkSpec
 
 GIB = 1024**3

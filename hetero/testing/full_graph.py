@@ -21,16 +21,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hetero.kinds.genezip.model import GeneZip, padded_tokens
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.genezip.objectives import genezip_loss
-from hetero.kinds.gpt.model import GPT, token_loss_sum
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.video.objectives import flow_matching_loss, to_model
-from hetero.kinds.video.spec import VideoModule, clip_generator
-from hetero.kinds.vit.model import VisionEncoder
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.genezip.model import GeneZip, padded_tokens
+from hetero.models.genezip.config import GeneZipConfig
+from hetero.models.genezip.objectives import genezip_loss
+from hetero.models.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.video.config import VideoConfig
+from hetero.models.video.objectives import flow_matching_loss, to_model
+from hetero.models.video.spec import VideoModule, clip_generator
+from hetero.models.vit.model import VisionEncoder
+from hetero.models.vit.config import ViTConfig
 
 LOSSES = ("text", "dna", "video")  # the graph's own losses, in this order wherever they are listed
 SEED_OFFSETS = {"vision": 0, "llm": 1, "dna": 2, "video": 3}  # each module's weights from its own seed

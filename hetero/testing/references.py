@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hetero.kinds.genezip.model import GeneZip, GeneZipOutput, padded_tokens
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.gpt.model import GPT
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.vit.model import VisionEncoder
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.genezip.model import GeneZip, GeneZipOutput, padded_tokens
+from hetero.models.genezip.config import GeneZipConfig
+from hetero.models.gpt.model import GPT
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.vit.model import VisionEncoder
+from hetero.models.vit.config import ViTConfig
 
 IMAGE_TOKEN = 0  # byte 0 (NUL) never occurs in captions; it marks the image's places in the sequence
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hetero.config import ExperimentConfig
 from hetero.graph import Graph, build_graph
-from hetero.kinds.gpt.moe import MoEFeedForward
+from hetero.models.gpt.moe import MoEFeedForward
 from hetero.kinds.registry import KindRegistry
 from hetero.parallel.mesh import init_distributed
 from hetero.runtime import Runtime, build_runtime

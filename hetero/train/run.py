@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from hetero.config import load_experiment
-from hetero.kinds import default_registry
+from hetero.models import default_registry
 from hetero.train.job import train
 
 

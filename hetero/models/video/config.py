@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.kinds.layout_checks import patch_model_errors, shape_errors, transformer_layout_errors
-from hetero.kinds.video.memory import MemoryConfig
+from hetero.models.video.memory import MemoryConfig
 from hetero.parallel.layout import Layout
 from hetero.parallel.options import ParallelOptions
 

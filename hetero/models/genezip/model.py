@@ -42,9 +42,9 @@ from torch import nn
 
 from hetero.data.genome import BASES
 from hetero.kernels.attention import LocalCausalAttention
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.genezip.regions import RegionBudget
-from hetero.kinds.gpt.model import Block, rope_tables
+from hetero.models.genezip.config import GeneZipConfig
+from hetero.models.genezip.regions import RegionBudget
+from hetero.models.gpt.model import Block, rope_tables
 
 
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from hetero.data.genome import REGIONS
-from hetero.kinds.genezip.model import GeneZip, GeneZipOutput, Routing
-from hetero.kinds.genezip.config import GeneZipConfig
+from hetero.models.genezip.model import GeneZip, GeneZipOutput, Routing
+from hetero.models.genezip.config import GeneZipConfig
 
 
 @dataclass

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.models.gpt.config import GPTConfig
 
 
 class SwiGLU(nn.Module):

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
-from hetero.kinds.video.config import VideoConfig
-from hetero.kinds.video.model import VideoGenerator
-from hetero.kinds.video.objectives import distillation_loss, flow_matching_loss, next_frame_errors, to_model
-from hetero.kinds.video.plan import parallelize_video
-from hetero.kinds.video.router import ImportanceRouter
+from hetero.models.video.config import VideoConfig
+from hetero.models.video.model import VideoGenerator
+from hetero.models.video.objectives import distillation_loss, flow_matching_loss, next_frame_errors, to_model
+from hetero.models.video.plan import parallelize_video
+from hetero.models.video.router import ImportanceRouter
 
 ROUTER_SPARSITY = 0.002  # weight of the learned memory's sparsity penalty
 

@@ -9,9 +9,9 @@ the features' gradients to the tower.
 
 from __future__ import annotations
 
-from hetero.kinds.projector.config import ProjectorConfig
-from hetero.kinds.projector.model import MLPProjector
-from hetero.kinds.projector.plan import parallelize_projector
+from hetero.models.projector.config import ProjectorConfig
+from hetero.models.projector.model import MLPProjector
+from hetero.models.projector.plan import parallelize_projector
 from hetero.kinds.registry import Kind, Port, StageResult, StageStep
 
 

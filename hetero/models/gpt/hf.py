@@ -20,8 +20,8 @@ import torch
 
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint, load_into, renamed
-from hetero.kinds.gpt.config import GPTConfig, RopeScaling
-from hetero.kinds.gpt.model import GPT
+from hetero.models.gpt.config import GPTConfig, RopeScaling
+from hetero.models.gpt.model import GPT
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3"}

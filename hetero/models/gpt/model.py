@@ -11,8 +11,8 @@ from torch import nn
 
 from hetero.kernels.attention import CausalAttention, merge_heads, split_heads
 from hetero.kernels.documents import Documents
-from hetero.kinds.gpt.config import GPTConfig, RopeScaling
-from hetero.kinds.gpt.moe import Experts, MoEFeedForward, SwiGLU
+from hetero.models.gpt.config import GPTConfig, RopeScaling
+from hetero.models.gpt.moe import Experts, MoEFeedForward, SwiGLU
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hetero.data.genome import BASES, REGIONS
-from hetero.kinds.gpt.config import GPTConfig
+from hetero.models.gpt.config import GPTConfig
 from hetero.kinds.layout_checks import shape_errors, transformer_layout_errors
 from hetero.parallel.layout import Layout
 from hetero.parallel.options import ParallelOptions

@@ -23,8 +23,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hetero.kinds.gpt.model import GPT
-from hetero.kinds.gpt.moe import MoEFeedForward
+from hetero.models.gpt.model import GPT
+from hetero.models.gpt.moe import MoEFeedForward
 from hetero.parallel.blocks import keep_stage_layers, wrap_blocks
 from hetero.parallel.context import ContextParallelAttention
 from hetero.parallel.expert_parallel import ExpertAllToAll, shard_experts

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from hetero.kinds.projector.model import MLPProjector
+from hetero.models.projector.model import MLPProjector
 from hetero.parallel.fsdp import apply_fsdp
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions

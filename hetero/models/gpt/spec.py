@@ -31,10 +31,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hetero.data.digits import IGNORE_INDEX
 from hetero.errors import ConfigError
 from hetero.kernels.documents import Documents, document_errors
-from hetero.kinds.gpt.config import GPTConfig
-from hetero.kinds.gpt.model import GPT, token_loss_sum
-from hetero.kinds.gpt.moe import MoEFeedForward
-from hetero.kinds.gpt.plan import parallelize_gpt
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.moe import MoEFeedForward
+from hetero.models.gpt.plan import parallelize_gpt
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
 from hetero.parallel.context import split_for_cp, zigzag_indices
 from hetero.parallel.layout import Layout
@@ -66,7 +66,7 @@ class GPTKind(Kind):
 
     def pretrained_config(self, module, path, fields):
         from hetero.interop.hf_checkpoint import HFCheckpoint
-        from hetero.kinds.gpt.hf import check_weights, gpt_config
+        from hetero.models.gpt.hf import check_weights, gpt_config
 
         checkpoint = HFCheckpoint(path)
         config = gpt_config(checkpoint.config, fields.get("seq_len"), module)
@@ -76,14 +76,14 @@ class GPTKind(Kind):
 
     def hf_export(self, config, source):
         from hetero.interop.hf_checkpoint import HFExport
-        from hetero.kinds.gpt.hf import hf_config, weight_names
+        from hetero.models.gpt.hf import hf_config, weight_names
 
         if config.moe:
             raise ConfigError("gpt modules with experts (model.num_experts > 0) export no Hugging Face checkpoints yet")
         return HFExport(source.config if source is not None else hf_config(config), weight_names(config))
 
     def load_pretrained(self, model, path):
-        from hetero.kinds.gpt.hf import load_gpt
+        from hetero.models.gpt.hf import load_gpt
 
         return load_gpt(model, path)
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hetero.kinds.video.model import (
+from hetero.models.video.model import (
     FrameCache,
     euler_step,
     VideoGenerator,
@@ -30,8 +30,8 @@ from hetero.kinds.video.model import (
     training_distances,
     unpatchify,
 )
-from hetero.kinds.video.memory import MemoryConfig
-from hetero.kinds.video.router import ImportanceRouter, ema_importance, memory_frame_bias, sparsity
+from hetero.models.video.memory import MemoryConfig
+from hetero.models.video.router import ImportanceRouter, ema_importance, memory_frame_bias, sparsity
 
 FULL = MemoryConfig(policy="full")
 

@@ -17,11 +17,11 @@ import math
 import torch
 
 from hetero.data.genome import REGIONS
-from hetero.kinds.genezip.config import GeneZipConfig
-from hetero.kinds.genezip.model import GeneZip, padded_tokens
-from hetero.kinds.genezip.objectives import genezip_loss, region_nats, routing_counts
-from hetero.kinds.genezip.plan import parallelize_genezip
-from hetero.kinds.genezip.regions import STATISTICS
+from hetero.models.genezip.config import GeneZipConfig
+from hetero.models.genezip.model import GeneZip, padded_tokens
+from hetero.models.genezip.objectives import genezip_loss, region_nats, routing_counts
+from hetero.models.genezip.plan import parallelize_genezip
+from hetero.models.genezip.regions import STATISTICS
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hetero.kinds.genezip.model import Blocks, GeneZip
-from hetero.kinds.gpt.plan import block_plan
+from hetero.models.genezip.model import Blocks, GeneZip
+from hetero.models.gpt.plan import block_plan
 from hetero.parallel.fsdp import apply_fsdp
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from hetero.kinds.registry import Kind, Port, StageResult, StageStep
-from hetero.kinds.vit.config import ViTConfig
-from hetero.kinds.vit.model import VisionEncoder
-from hetero.kinds.vit.plan import parallelize_vision
+from hetero.models.vit.config import ViTConfig
+from hetero.models.vit.model import VisionEncoder
+from hetero.models.vit.plan import parallelize_vision
 
 
 class ViTKind(Kind):
@@ -35,7 +35,7 @@ class ViTKind(Kind):
 
     def pretrained_config(self, module, path, fields):
         from hetero.interop.hf_checkpoint import HFCheckpoint
-        from hetero.kinds.vit.hf import check_weights, vit_config
+        from hetero.models.vit.hf import check_weights, vit_config
 
         checkpoint = HFCheckpoint(path)
         config = vit_config(checkpoint.config, fields, module)
@@ -44,12 +44,12 @@ class ViTKind(Kind):
         return config
 
     def hf_export(self, config, source):
-        from hetero.kinds.vit.hf import vit_export
+        from hetero.models.vit.hf import vit_export
 
         return vit_export(config, source)
 
     def load_pretrained(self, model, path):
-        from hetero.kinds.vit.hf import load_vit
+        from hetero.models.vit.hf import load_vit
 
         return load_vit(model, path)
 

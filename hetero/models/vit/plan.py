@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from hetero.kinds.vit.model import VisionEncoder
+from hetero.models.vit.model import VisionEncoder
 from hetero.parallel.blocks import attention_mlp_plan, keep_stage_layers, wrap_blocks
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import parallelize_module
 
-from hetero.kinds.video.model import VideoGenerator
+from hetero.models.video.model import VideoGenerator
 from hetero.parallel.blocks import attention_mlp_plan, wrap_blocks
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions

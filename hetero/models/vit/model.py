@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.kernels.attention import merge_heads, split_heads
-from hetero.kinds.projector.model import MLPProjector
-from hetero.kinds.vit.config import ViTConfig
+from hetero.models.projector.model import MLPProjector
+from hetero.models.vit.config import ViTConfig
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,8 @@ import torch
 
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint, HFExport, load_into, renamed
-from hetero.kinds.vit.config import ViTConfig
-from hetero.kinds.vit.model import VisionEncoder
+from hetero.models.vit.config import ViTConfig
+from hetero.models.vit.model import VisionEncoder
 
 VISION_MODELS = {"SiglipVisionModel": "siglip", "CLIPVisionModel": "clip"}
 WITH_TEXT = {"SiglipModel": "siglip", "CLIPModel": "clip"}  # a vision tower beside a text tower

@@ -9,19 +9,12 @@ import sys
 from hetero.errors import ConfigError
 
 
-def _split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
-    """``[CONFIG] [key=value ...]``: the config defaults to the base config's experiment."""
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return "", items
-
-
 def _layout(args: argparse.Namespace) -> None:
-    from hetero.config import load_experiment
+    from hetero.config import load_experiment, split_config_and_overrides
     from hetero.graph import build_graph
     from hetero.parallel.rank_map import format_rank_map, rank_map
 
-    name, overrides = _split_config_and_overrides(args.config)
+    name, overrides = split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
     description = rank_map(experiment, build_graph(experiment).placement)
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
@@ -30,10 +23,10 @@ def _layout(args: argparse.Namespace) -> None:
 def _train(args: argparse.Namespace) -> int:
     import subprocess
 
-    from hetero.config import load_experiment
+    from hetero.config import load_experiment, split_config_and_overrides
     from hetero.graph import build_graph
 
-    name, overrides = _split_config_and_overrides(args.config)
+    name, overrides = split_config_and_overrides(args.config)
     selection = [f"experiment={name}"] if name else []
     nproc = args.nproc or build_graph(load_experiment(name, overrides)).placement.world_size
     command = [

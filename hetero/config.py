@@ -245,6 +245,13 @@ def experiment_from_dict(raw: DictConfig | dict) -> ExperimentConfig:
     return experiment
 
 
+def split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
+    """A command line's ``[CONFIG] [key=value ...]``: the config defaults to the base config's experiment."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return "", items
+
+
 def load_experiment(name_or_path: str = "", overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Compose an experiment with Hydra: a name from ``configs/experiment/``, a path to a YAML file, or
     "" for the default experiment of ``configs/config.yaml``."""

@@ -15,7 +15,8 @@ from hetero.models.gpt.config import GPTConfig
 from hetero.plan.cluster import ClusterSpec, DeviceSpec, LinkSpec, cluster_from_dict, load_cluster
 from hetero.plan.cost import GIB, Choice, CostModel, allreduce_s, describe, stacked_forward_flops
 from hetero.plan.report import heterogeneous_gain
-from hetero.plan.search import Planner, gradient_wire_ratio, graph_pipeline_s, predict_configured, workload_of
+from hetero.plan.search import Planner, graph_pipeline_s, predict_configured
+from hetero.plan.workload import gradient_wire_ratio, workload_of
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
 
 LLAMA_7B = GPTConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=11008, seq_len=4096)

@@ -164,7 +164,8 @@ def startup(graph, timeout_s: float = 60.0) -> dict:
 
 def planner_seconds(experiment: ExperimentConfig, world: int) -> float:
     from hetero.plan.cluster import load_cluster
-    from hetero.plan.search import Planner, workload_of
+    from hetero.plan.search import Planner
+    from hetero.plan.workload import workload_of
 
     cluster = load_cluster("h100_64")
     cluster = type(cluster)(name=f"h100-{world}", nodes=world // cluster.gpus_per_node,

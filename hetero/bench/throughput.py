@@ -377,7 +377,7 @@ def _scales(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hetero.cli import _split_config_and_overrides
+    from hetero.config import split_config_and_overrides
     from hetero.testing.multiprocess import run_ranks
 
     args = build_parser().parse_intermixed_args(argv)
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise ConfigError(f"--peak-tflops {args.peak_tflops} must be > 0")
-    name, overrides = _split_config_and_overrides(args.config)
+    name, overrides = split_config_and_overrides(args.config)
     base = load_experiment(name, overrides)
     check_supported(base)
     build_graph(base).placement

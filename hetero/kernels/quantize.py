@@ -13,18 +13,7 @@ from __future__ import annotations
 import torch
 
 from hetero.kernels.dispatch import use_triton
-
-SCALE_DTYPE = torch.bfloat16
-
-
-def qmax(bits: int) -> int:
-    if bits not in (4, 8):
-        raise ValueError(f"quantization bits must be 4 or 8, got {bits}")
-    return 2 ** (bits - 1) - 1
-
-
-def code_bytes(numel: int, bits: int) -> int:
-    return numel * bits // 8
+from hetero.kernels.formats import SCALE_DTYPE, qmax
 
 
 def quantize_blocks(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

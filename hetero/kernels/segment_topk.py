@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from hetero.kernels.dispatch import use_triton
-
-MAX_SEGMENT = 2**16
+from hetero.kernels.formats import MAX_SEGMENT
 
 
 def segment_topk(

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hetero.kernels.quantize import SCALE_DTYPE, code_bytes, qmax
+from hetero.kernels.formats import SCALE_DTYPE, code_bytes, qmax
 
 # Elements per program: small blocks are grouped so that each program handles about this many.
 TILE_ELEMENTS = 4096

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hetero.kernels.segment_topk import MAX_SEGMENT
+from hetero.kernels.formats import MAX_SEGMENT
 
 
 @triton.jit

@@ -42,17 +42,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from hetero.cli import _split_config_and_overrides
+    from hetero.config import split_config_and_overrides
     from hetero.config import load_experiment
     from hetero.graph import build_graph
     from hetero.plan.calibrate import calibrate
     from hetero.plan.cluster import load_cluster
     from hetero.plan.report import format_context, plan_json, plan_row, plot
-    from hetero.plan.search import Planner, predict_configured, workload_of
+    from hetero.plan.search import Planner, predict_configured
+    from hetero.plan.workload import workload_of
 
     if not args.calibrate and not args.cluster:
         raise ConfigError("hetero plan needs --cluster CLUSTER.yaml (or --calibrate OUT.yaml to measure this machine)")
-    name, overrides = _split_config_and_overrides(args.config)
+    name, overrides = split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
     placement = build_graph(experiment).placement if args.as_configured else None
     if args.calibrate:

@@ -6,7 +6,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hetero.plan.cluster import ClusterSpec
-from hetero.plan.search import MODES, Plan, Workload
+from hetero.plan.search import MODES, Plan
+from hetero.plan.workload import Workload
 
 
 def heterogeneous_gain(plans: dict[str, list[Plan]]) -> float | None:

@@ -20,59 +20,17 @@ placement modes over the same world of N devices:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hetero.config import ExperimentConfig
 from hetero.errors import ConfigError
 from hetero.graph.build import resolve_schedule
-from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
-from hetero.parallel.compression.edge_config import ActivationCodecConfig, EdgeCompressionConfig
 from hetero.parallel.placement import Placement
 from hetero.plan.cluster import ClusterSpec
-from hetero.plan.cost import GIB, Choice, CostModel, ModuleCost, Transformer, describe, send_s
+from hetero.plan.cost import GIB, Choice, CostModel, ModuleCost, Transformer, send_s
+from hetero.plan.workload import Workload, workload_of
 
 MODES = ("homogeneous", "colocated", "colocated_1f1b", "non_colocated")
-
-
-@dataclass
-class Workload:
-    """One step's work: the LLM's sequences and, per other module, samples per LLM sequence. Encoders feed
-    the LLM; consumers (a video generator) take its hidden states."""
-
-    llm: Transformer
-    encoders: dict[str, Transformer]
-    sequences: int
-    per_sequence: dict[str, float]  # samples (images, DNA windows, clips) per LLM sequence
-    grad_ratio: dict[str, float] = field(default_factory=dict)
-    # Wire bytes per activation element, forward + backward together, of compressed edges: each encoder's
-    # or consumer's boundary with the LLM, and the LLM's stage edges (None: uncompressed).
-    boundary_element_bytes: dict[str, float] = field(default_factory=dict)
-    stage_element_bytes: float | None = None
-    llm_micro: tuple[int, ...] = (1, 2, 4, 8)
-    consumers: dict[str, Transformer] = field(default_factory=dict)
-
-    @property
-    def others(self) -> dict[str, Transformer]:
-        return self.encoders | self.consumers
-
-    def samples(self, name: str) -> int:
-        return self.sequences if name == self.llm.name else max(1, round(self.sequences * self.per_sequence[name]))
-
-    @property
-    def model_flops(self) -> float:
-        flops = self.sequences * self.llm.model_flops_per_sample
-        return flops + sum(self.samples(n) * e.model_flops_per_sample for n, e in self.others.items())
-
-    def boundary_bytes(self, activation_bytes: int, names: list[str] | None = None) -> float:
-        """What crosses between the LLM and the modules ``names`` (default: every encoder) per step, forward
-        and (as gradients) backward: an encoder's output tokens, the LLM's hidden states to a consumer."""
-        total = 0.0
-        for name in self.encoders if names is None else names:
-            module = self.others[name]
-            elements = (module.out_tokens * module.out_width if name in self.encoders
-                        else self.llm.seq * self.llm.hidden)
-            total += self.samples(name) * elements * self.boundary_element_bytes.get(name, 2 * activation_bytes)
-        return total
 
 
 @dataclass
@@ -111,41 +69,6 @@ class Plan:
     def describe(self) -> str:
         parts = [f"{n}[{self.ranks[n]}] {c.label()}" for n, c in self.choices.items()]
         return "; ".join(parts)
-
-
-def gradient_wire_ratio(compression: CompressionConfig) -> float:
-    """Bytes on the wire per fp32 gradient byte under a module's ``compression`` block."""
-
-    def ratio(c: CompressorConfig) -> float:
-        if c.method in ("int8", "int4"):
-            return ((1.0 if c.method == "int8" else 0.5) + 4 / c.block_size) / 4
-        if c.method == "topk":
-            return c.ratio * 6 / 4  # fp32 value + uint16 index within a segment
-        if c.method == "randomk":
-            return c.ratio  # indices come from a shared seed
-        return 1.0  # none, and powersgd (its size depends on every matrix's shape; counted as dense)
-
-    if compression.diloco.inner_steps:
-        return ratio(compression.diloco.pseudo_grad) / compression.diloco.inner_steps
-    return ratio(compression.grad)
-
-
-def activation_wire_bytes(codec: ActivationCodecConfig, activation_bytes: int) -> float:
-    """Wire bytes per activation element under an edge codec (scales are bf16, top-k indices uint16)."""
-    if codec.method in ("int8", "int4", "int2"):
-        return int(codec.method[3:]) / 8 + 2 / codec.block_size
-    if codec.method in ("bf16", "fp16"):
-        return 2.0
-    if codec.method == "topk":
-        return codec.ratio * (activation_bytes + 2)
-    return float(activation_bytes)  # none, identity
-
-
-def edge_wire_bytes(edge: EdgeCompressionConfig, activation_bytes: int) -> float | None:
-    """Forward + backward wire bytes per element of a compressed edge (None when it is not compressed)."""
-    if not edge.enabled:
-        return None
-    return activation_wire_bytes(edge.forward, activation_bytes) + activation_wire_bytes(edge.backward, activation_bytes)
 
 
 def _powers(limit: int) -> list[int]:
@@ -404,81 +327,6 @@ def graph_1f1b_colocated_s(llm: ModuleCost, encoders: list[ModuleCost]) -> float
     hidden_work = sum(c.compute_s for c in encoders)
     exposed = max(hidden_work - llm.bubble_s, sum(c.microbatch_s for c in encoders))
     return llm.step_s + exposed + sum(c.dp_s + c.optimizer_s for c in encoders)
-
-
-EXTRA_CONTEXT = ("images", "mixed")
-ENCODER_KINDS = ("vit", "projector", "genezip")  # what feeds the LLM
-CONSUMER_KINDS = ("video",)  # what its hidden states condition
-
-
-def workload_of(
-    experiment: ExperimentConfig, context: int | None = None, tokens_per_step: int | None = None,
-    extra_context: str = "images", activation_bytes: int = 2, clip_frames: int = 32,
-) -> Workload:
-    """The step ``experiment`` trains, optionally at another LLM context length.
-
-    At the configured context every sequence carries one sample (an image, a DNA window) per encoder and
-    one clip per consumer of ``clip_frames`` frames. A longer context holds more encoder samples: with
-    ``extra_context="images"`` the text keeps its configured length and encoder tokens fill the rest (long
-    videos, many-image documents); with ``"mixed"`` text and encoder tokens keep their configured shares.
-    The batch keeps ``tokens_per_step`` tokens (default: the configured global batch's). Compressed edges
-    are priced per element against ``activation_bytes`` (the cluster device's)."""
-    if extra_context not in EXTRA_CONTEXT:
-        raise ConfigError(f"extra_context={extra_context!r} is not one of {', '.join(EXTRA_CONTEXT)}")
-    kinds = {name: module.kind for name, module in experiment.modules.items()}
-    llms = [n for n, k in kinds.items() if k == "gpt"]
-    unsupported = {n: k for n, k in kinds.items() if k not in ("gpt", *ENCODER_KINDS, *CONSUMER_KINDS)}
-    if len(llms) != 1 or unsupported:
-        raise ConfigError(
-            "hetero plan models one gpt module, the vit, projector and genezip modules that feed it and the video "
-            "modules it conditions; this experiment has " + ", ".join(f"{n}: {k}" for n, k in kinds.items())
-        )
-    llm = llms[0]
-    upstream, downstream = _reaching(experiment, llm, backward=True), _reaching(experiment, llm, backward=False)
-    misplaced = [n for n, k in kinds.items()
-                 if n != llm and not (k in ENCODER_KINDS and n in upstream or k in CONSUMER_KINDS and n in downstream)]
-    if misplaced:
-        raise ConfigError(
-            f"hetero plan models encoders whose edges lead into {llm} and video modules fed by it; "
-            + ", ".join(f"{n} ({kinds[n]})" for n in misplaced) + " is not placed so in the edges"
-        )
-    llm_config = experiment.model_config(llm)
-    context = context or llm_config.seq_len
-    tokens = tokens_per_step or experiment.batch.global_batch_size * llm_config.seq_len
-    sequences = max(1, tokens // context)
-    feeders = sum(e.dst == llm for e in experiment.edges)  # encoder sources sharing the extra context
-    encoders, consumers, per_sequence = {}, {}, {}
-    for name, kind in kinds.items():
-        if kind in ENCODER_KINDS:  # a tower and its projector see the same samples
-            encoders[name] = describe(name, kind, experiment.model_config(name))
-            if extra_context == "mixed":
-                per_sequence[name] = context / llm_config.seq_len
-            else:
-                extra = (context - llm_config.seq_len) / (feeders * encoders[name].out_tokens)
-                per_sequence[name] = 1 + extra
-        elif kind in CONSUMER_KINDS:
-            consumers[name] = describe(name, kind, experiment.model_config(name), clip_frames=clip_frames)
-            per_sequence[name] = 1.0
-    ratios = {n: gradient_wire_ratio(m.compression) for n, m in experiment.modules.items()}
-    act = activation_bytes
-    boundaries = {e.src: b for e in experiment.edges if e.dst == llm and (b := edge_wire_bytes(e.compression, act))}
-    boundaries |= {e.dst: b for e in experiment.edges if e.src == llm and (b := edge_wire_bytes(e.compression, act))}
-    stages = edge_wire_bytes(experiment.modules[llm].compression.pipeline, act)
-    return Workload(describe(llm, "gpt", llm_config, context), encoders, sequences, per_sequence, ratios,
-                    boundaries, stages, consumers=consumers)
-
-
-def _reaching(experiment: ExperimentConfig, target: str, backward: bool) -> set[str]:
-    """The modules with a path of edges into ``target`` (``backward``) or reached from it."""
-    found, frontier = set(), [target]
-    while frontier:
-        node = frontier.pop()
-        for edge in experiment.edges:
-            near, far = (edge.dst, edge.src) if backward else (edge.src, edge.dst)
-            if near == node and far not in found:
-                found.add(far)
-                frontier.append(far)
-    return found
 
 
 def predict_configured(experiment: ExperimentConfig, placement: Placement, cluster: ClusterSpec,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -38,14 +38,28 @@ from hetero.parallel.compressed_boundary import CompressedBoundary
 from hetero.parallel.layout import Layout
 from hetero.runtime.rows import StepRows, to_device
 from hetero.runtime.routed_edge import RoutedEdge
+from hetero.runtime.links import StageLinks
+from hetero.runtime.module import ModuleState
 from hetero.runtime.schedule import Action
+from hetero.runtime.timing import ModuleTimer
+from hetero.runtime.trace import StepTrace
 
-if TYPE_CHECKING:
-    from hetero.runtime.runtime import Runtime
+
+class StepParts(Protocol):
+    """What an executor reads of its runtime (``hetero.runtime.runtime.Runtime``)."""
+
+    graph: Graph
+    seed: int
+    modules: dict[str, ModuleState]
+    edges: dict[str, RuntimeEdge | RoutedEdge]
+    links: dict[str, StageLinks]
+    timer: ModuleTimer
+    trace: StepTrace | None
+    final_backward: dict[str, int]
 
 
 class Executor:
-    def __init__(self, runtime: Runtime, batch: dict[str, torch.Tensor], rows: StepRows, training: bool, step: int):
+    def __init__(self, runtime: StepParts, batch: dict[str, torch.Tensor], rows: StepRows, training: bool, step: int):
         self.runtime, self.batch, self.rows, self.training, self.step = runtime, batch, rows, training, step
         self.graph = runtime.graph
         self.counts = {name: max(node.kind.loss_count(batch, rows.all(name)), 1)  # the loss divisors, global

@@ -9,9 +9,11 @@ file. Each file is written under a temporary name and renamed once complete, the
 directory with an index is a whole checkpoint. The ranks must share the file system.
 
 Names and config come from the module's kind (``Kind.hf_export``). A module imported with ``init.hf``
-keeps its source's config and each tensor's dtype there, and copies from it the tensors it passes over
-(a vision tower's pooling head, its blocks after the feature layer), so an import followed by an export
-gives the same files' tensors bit for bit.
+keeps its source's config (the file itself where the kind exports it unchanged, as a ``gpt`` does) and
+side files (generation config, tokenizer, processor), each tensor's dtype there, and copies from it the
+tensors it passes over (a vision tower's pooling head, its blocks after the feature layer), so an import
+followed by an export gives the same files' tensors bit for bit. ``convert_checkpoint`` takes all that
+from the copy the checkpoint kept of the source (``hf_source.py``), so it writes what the live job would.
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hetero.interop.hf_checkpoint import DTYPES, INDEX, HFCheckpoint
+from hetero.interop.hf_checkpoint import DTYPES, INDEX, HFCheckpoint, HFExport
+from hetero.interop.hf_source import CONFIG, KEPT, SIDE_FILES, KeptSource
 
 
 def export_hf(runtime, module: str, path: str | Path) -> Path:
@@ -37,20 +43,17 @@ def export_hf(runtime, module: str, path: str | Path) -> Path:
     state = runtime.modules.get(module)
     if state is not None:
         coord, stages = state.mesh.coord, node.layout.pp
-        whole = {}
-        for name, tensor in state.model.state_dict().items():  # the same order on every rank of the stage
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            if (hf := export.name_of(name)) is not None:
-                dtype = source.dtype(export.source_name(hf)) if source is not None else full.dtype
-                whole[hf] = full.detach().to("cpu", dtype)
+        # the same order on every rank of the stage
+        whole = _hf_tensors(export, source, ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+                                             for name, tensor in state.model.state_dict().items()))
         if coord.tp == coord.cp == coord.dp == 0:
-            if coord.pp == 0:
+            if coord.pp == 0 and source is not None:
                 whole |= {name: source.tensor(carried) for name, carried in export.carried.items()}
             path.mkdir(parents=True, exist_ok=True)
             _write_atomically(path / _shard_name(coord.pp, stages), lambda f: _save(whole, f))
     dist.barrier()
     if dist.get_rank() == node.layout.ranks[0]:
-        _finish(path, [_shard_name(stage, node.layout.pp) for stage in range(node.layout.pp)], export.config)
+        _finish(path, [_shard_name(stage, node.layout.pp) for stage in range(node.layout.pp)], export.config, source)
     dist.barrier()
     return path
 
@@ -58,7 +61,9 @@ def export_hf(runtime, module: str, path: str | Path) -> Path:
 def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path) -> Path:
     """Write ``module`` of the hetero checkpoint directory ``checkpoint`` (a ``step_*`` directory of
     ``hetero train``) to ``path`` as a Hugging Face checkpoint, in one process: the model is rebuilt from
-    the config the checkpoint recorded, its weights read whole (DCP gathers every saved shard)."""
+    the config the checkpoint recorded, its weights read whole (DCP gathers every saved shard). A module
+    imported with ``init.hf`` is written with the source the checkpoint kept (``hf_source.py``): its
+    config and side files unchanged, its tensors in their source dtypes, the passed-over ones copied."""
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
@@ -78,17 +83,33 @@ def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path) ->
     model = kind.build(config)
     state = {module: {"model": model.state_dict()}}
     dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)))
-    export = kind.hf_export(config, None)
-    tensors = {hf: t.detach().cpu() for name, t in state[module]["model"].items() if (hf := export.name_of(name)) is not None}
+    kept = checkpoint / KEPT / module
+    source = KeptSource(kept) if kept.is_dir() else None
+    export = kind.hf_export(config, source)
+    tensors = _hf_tensors(export, source, state[module]["model"].items())
+    if source is not None:
+        tensors |= {name: source.tensor(carried) for name, carried in export.carried.items()}
     path.mkdir(parents=True, exist_ok=True)
     file = _shard_name(0, 1)
     _write_atomically(path / file, lambda f: _save(tensors, f))
-    _finish(path, [file], export.config)
+    _finish(path, [file], export.config, source)
     return path
 
 
-def _finish(path: Path, files: list[str], config: dict) -> None:
-    """Write ``config.json`` and the index of ``files`` (already in ``path``), the index last."""
+def _hf_tensors(export: HFExport, source: HFCheckpoint | None,
+                weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The whole ``weights`` (name, tensor) the export writes, by HF name, on the CPU in their source's dtype."""
+    tensors = {}
+    for name, tensor in weights:
+        if (hf := export.name_of(name)) is not None:
+            dtype = source.dtype(export.source_name(hf)) if source is not None else tensor.dtype
+            tensors[hf] = tensor.detach().to("cpu", dtype)
+    return tensors
+
+
+def _finish(path: Path, files: list[str], config: dict, source: HFCheckpoint | None) -> None:
+    """Write ``config.json`` (the source's own file when ``config`` is its config), the source's side
+    files, and the index of ``files`` (already in ``path``), the index last."""
     from safetensors import safe_open
 
     weight_map, total = {}, 0
@@ -98,7 +119,13 @@ def _finish(path: Path, files: list[str], config: dict) -> None:
                 weight_map[name] = file
                 sliced = handle.get_slice(name)
                 total += math.prod(sliced.get_shape()) * DTYPES[sliced.get_dtype()].itemsize
-    _write_atomically(path / "config.json", lambda f: Path(f).write_text(json.dumps(config, indent=2)))
+    if source is not None and config == source.config:
+        _write_atomically(path / CONFIG, partial(shutil.copyfile, source.path / CONFIG))
+    else:
+        _write_atomically(path / CONFIG, lambda f: Path(f).write_text(json.dumps(config, indent=2)))
+    for name in SIDE_FILES if source is not None else ():
+        if (source.path / name).is_file():
+            _write_atomically(path / name, partial(shutil.copyfile, source.path / name))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _write_atomically(path / INDEX, lambda f: Path(f).write_text(json.dumps(index, indent=2)))
 

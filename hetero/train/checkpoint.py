@@ -9,6 +9,9 @@ rank-local file that a resume reads only when the layouts and compression settin
 a layout change it starts fresh (and rank 0 says so). The data position is the step: batch ``k`` is a
 pure function of the seed and ``k``.
 
+A module imported with ``init.hf`` also keeps, under ``hf/<module>``, what ``hetero convert`` needs of its
+source to write it back as the source's kind of checkpoint (``hetero.interop.hf_source``).
+
 The runtime side is ``Checkpointable``: the modules on this rank and its rank-local state.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from hetero.config import CheckpointConfig
 from hetero.errors import ConfigError
+from hetero.interop.hf_source import KEPT, ImportedSource
 from hetero.train.checkpoint_files import (
     CheckpointError,
     SafeFileSystemReader,
@@ -141,10 +146,14 @@ def _module_state(modules: dict[str, tuple[nn.Module, torch.optim.Optimizer]]) -
 
 
 class Checkpointer:
-    """Saves and loads one job's checkpoints; every rank holds one and calls it at the same points."""
+    """Saves and loads one job's checkpoints; every rank holds one and calls it at the same points.
+    ``sources``: the modules imported with ``init.hf`` (``hetero.interop.hf_source.imported_sources``),
+    whose sources each checkpoint keeps."""
 
-    def __init__(self, config: CheckpointConfig, root: Path, identity: RunIdentity):
+    def __init__(self, config: CheckpointConfig, root: Path, identity: RunIdentity,
+                 sources: Mapping[str, ImportedSource] | None = None):
         self.config, self.root, self.identity = config, root, identity
+        self.sources = dict(sources or {})
         self._pending: Future | None = None
         self._commit_error: BaseException | None = None
         self._committed = threading.Event()
@@ -166,6 +175,8 @@ class Checkpointer:
         if rank == 0:
             remove_partials(self.root)
             partial.mkdir(parents=True)
+            for module, source in self.sources.items():
+                source.keep(partial / KEPT / module)
         dist.barrier()
         local = runtime.local_state() | {"rng": torch.get_rng_state()}
         save_local(local, partial / "local" / f"rank{rank}.pt")

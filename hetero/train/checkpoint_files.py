@@ -3,6 +3,8 @@
     <checkpoint dir>/step_000010/        complete: renamed into place after every file was written
         .metadata, __<rank>_0.distcp     torch.distributed.checkpoint: weights and optimizer states
         local/rank<r>.pt                 rank-local state (torch.save of tensors and plain containers)
+        hf/<module>/                     of a module imported with init.hf: its source's config and side
+                                         files, tensor dtypes, passed-over tensors (hetero.interop.hf_source)
         hetero.json                      step, data position, modules and layouts, SHA-256 of every file
     <checkpoint dir>/.step_000020.partial  a save in progress or interrupted: never loaded
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hetero.config import ExperimentConfig
 from hetero.graph import Graph, build_graph
+from hetero.interop.hf_source import imported_sources
 from hetero.models.gpt.moe import MoEFeedForward
 from hetero.kinds.registry import KindRegistry
 from hetero.parallel.mesh import init_distributed
@@ -72,7 +73,7 @@ def train(experiment: ExperimentConfig, registry: KindRegistry | None = None) ->
     cfg = experiment.train
     run_dir = Path(cfg.run_dir) / experiment.name
     checkpoints = Checkpointer(cfg.checkpoint, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
-                               run_identity(experiment, graph))
+                               run_identity(experiment, graph), imported_sources(graph))
     resume_from = resolve_resume(cfg.checkpoint, checkpoints.root)
     same_local = check_resumable(resume_from, checkpoints.identity)[1] if resume_from is not None else True
     rank = init_distributed(graph.placement, experiment.backend, experiment.timeout_s)

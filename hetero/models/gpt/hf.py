@@ -33,11 +33,13 @@ BOOKKEEPING = {
     "problem_type", "tokenizer_class", "max_window_layers",
 }
 
+TRAINED_LENGTH = "hetero_seq_len"  # the length a GPT hetero trained from scratch was trained at (``hf_config``)
+
 MODELLED = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
     "tie_word_embeddings", "rope_theta", "rope_parameters", "rope_scaling", "attention_bias", "attention_dropout",
-    "mlp_bias", "pretraining_tp", "sliding_window", "use_sliding_window", "layer_types",
+    "mlp_bias", "pretraining_tp", "sliding_window", "use_sliding_window", "layer_types", TRAINED_LENGTH,
 }
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
@@ -45,8 +47,9 @@ _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_positio
 
 
 def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPTConfig:
-    """The GPT config of HF config ``hf`` (a ``config.json``), trained at ``seq_len`` (default: the
-    checkpoint's ``max_position_embeddings``)."""
+    """The GPT config of HF config ``hf`` (a ``config.json``), trained at ``seq_len`` (default: the length
+    hetero trained it at, for its own export of a GPT trained from scratch, else the checkpoint's
+    ``max_position_embeddings``)."""
     where = f"{module}.init.hf config.json"
     architectures = hf.get("architectures") or []
     unknown = [a for a in architectures if a not in ARCHITECTURES]
@@ -72,7 +75,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         refuse("pretraining_tp", hf["pretraining_tp"], "only 1 computes the plain projections")
     if family != "qwen2" and hf.get("attention_bias", False):
         refuse("attention_bias", True, "it adds a bias to the output projection too; hetero biases q, k, v only")
-    length = seq_len or hf["max_position_embeddings"]
+    length = seq_len or hf.get(TRAINED_LENGTH) or hf["max_position_embeddings"]
     window = hf.get("sliding_window")
     windowed = hf.get("use_sliding_window")
     if windowed is None:  # Mistral's configs have no switch: its window applies whenever set
@@ -184,8 +187,10 @@ def hf_name(name: str) -> str:
 
 
 def hf_config(config: GPTConfig) -> dict:
-    """A ``config.json`` that ``transformers`` builds this GPT from: Qwen3 with q/k norm, Qwen2 with q/k/v
-    biases, Llama otherwise."""
+    """A ``config.json`` that ``transformers`` builds this GPT (trained from scratch) from: Qwen3 with q/k
+    norm, Qwen2 with q/k/v biases, Llama otherwise. Its ``max_position_embeddings`` is the context of
+    the RoPE settings (``rope_context``), and the length it was trained at is ``hetero_seq_len``, a
+    field of hetero's own that ``transformers`` keeps on the config and otherwise leaves alone."""
     if config.qk_norm and config.qkv_bias:
         raise ConfigError("a GPT with both qk_norm and qkv_bias matches no Hugging Face architecture hetero exports")
     if config.qk_norm:
@@ -210,13 +215,24 @@ def hf_config(config: GPTConfig) -> dict:
         "hidden_size": config.hidden_size, "intermediate_size": config.ffn_size,
         "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.kv_heads, "head_dim": config.head_size, "hidden_act": "silu",
-        "max_position_embeddings": config.seq_len, "rms_norm_eps": config.norm_eps,
+        "max_position_embeddings": rope_context(config), TRAINED_LENGTH: config.seq_len,
+        "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings, "rope_parameters": rope, "attention_dropout": 0.0,
         "dtype": "float32",
     }
     if model_type != "qwen2":
         out["attention_bias"] = False
     return out
+
+
+def rope_context(config: GPTConfig) -> int:
+    """The context the RoPE settings of ``config`` declare, its ``max_position_embeddings``: the original
+    context (``rope_scaling.original_max_position``, 8192 unless set) times the scaling's ``factor``
+    (the ratio ``transformers`` checks yarn's factor against), unscaled the original context itself; at
+    least ``seq_len``, the positions it was trained at."""
+    scaling = config.rope_scaling
+    factor = scaling.factor if scaling.type != "none" else 1.0
+    return max(round(scaling.original_max_position * factor), config.seq_len)
 
 
 def load_gpt(model, path: str | Path) -> int:

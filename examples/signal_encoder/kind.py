@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetero.kinds.columns import FLOATING, Column, Dim
 from hetero.kinds.registry import Kind, Port, StageResult, StageStep
 from hetero.parallel.layout import Layout
 from hetero.parallel.options import ParallelOptions
@@ -75,6 +76,10 @@ class SignalKind(Kind):
 
     def data_keys(self, config: SignalConfig) -> tuple[str, ...]:
         return ("signal",)
+
+    def columns(self, config: SignalConfig) -> tuple[Column, ...]:
+        """What ``signal`` must look like, checked on every rank before a step."""
+        return (Column("signal", (Dim("length", config.length),), FLOATING),)
 
     def outputs(self, config: SignalConfig) -> dict[str, Port]:
         return {"embeddings": Port(config.out_size, tokens=config.tokens, field="out_size")}

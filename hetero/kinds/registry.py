@@ -8,7 +8,9 @@ A kind is what the runtime needs to train a module of it, whatever graph it sits
   the pipeline stage's part, checkpointing, FSDP2);
 - ``modality``: the presence flag (``has_<modality>`` in a batch) of the rows it processes, or None for
   every row; ``data_keys``: the batch columns it reads (``optional_keys``: more, when a batch has them;
-  ``evaluation_keys``: more, in evaluation);
+  ``evaluation_keys``: more, in evaluation); ``columns(config)``: what they must look like (shapes and the
+  fields that fix them, dtypes, id ranges; ``columns.py``), which ``batch_errors`` checks on every rank
+  before a step (kinds add checks of their own there);
 - ``inputs`` / ``outputs``: the tensors it consumes from and produces for other modules (``Port``);
 - ``stage(model, step)``: one microbatch on this rank's pipeline stage (``StageStep`` in,
   ``StageResult`` out): the activation for the next stage, or on the last stage its outputs, its loss
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from hetero.errors import ConfigError
+from hetero.kinds.columns import Column, column_errors
 from hetero.parallel.layout import Layout
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
@@ -190,10 +193,17 @@ class Kind:
     def errors(self, module: str, config: Any, layout: Layout, options: ParallelOptions) -> list[str]:
         return config.errors(module, layout, options) if hasattr(config, "errors") else []
 
+    def columns(self, config: Any) -> tuple[Column, ...]:
+        """The batch columns it reads and what they must look like (``hetero.kinds.columns``); none
+        declared: ``batch_errors`` checks nothing."""
+        return ()
+
     def batch_errors(self, module: str, config: Any, batch: dict[str, torch.Tensor]) -> list[str]:
         """What in a global batch the model cannot take (e.g. a sequence length other than its own); every
-        rank checks the same batch before its step, so all of them raise alike and none waits on another."""
-        return []
+        rank checks the same batch before its step, so all of them raise alike and none waits on another.
+        The base checks the declared ``columns``; a kind with checks of its own calls it first (they may
+        then rely on the shapes and dtypes)."""
+        return column_errors(module, self.columns(config), batch)
 
     def has_loss(self, config: Any) -> bool:
         return True

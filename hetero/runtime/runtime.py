@@ -30,7 +30,7 @@ from hetero.runtime.executor import Executor, RuntimeEdge
 from hetero.runtime.routed_edge import RoutedEdge
 from hetero.runtime.links import StageLinks
 from hetero.runtime.module import ModuleState
-from hetero.runtime.rows import StepRows
+from hetero.runtime.rows import ITEM_PREFIX, StepRows
 from hetero.runtime.schedule import check_schedule
 from hetero.runtime.timing import ModuleTimer
 from hetero.runtime.trace import StepTrace
@@ -153,10 +153,22 @@ class Runtime:
         return self._reduced_losses(losses, counts) | self._reduced_metrics(keys, metric_sums, lows)
 
     def _check(self, batch: dict[str, torch.Tensor]) -> None:
+        """Refuse a batch some module cannot take (its kind's ``batch_errors``: its columns' shapes, dtypes
+        and id ranges), a declared per-row column of another row count, or an image outside its row. A
+        pure function of the global batch (shapes and dtypes, and one min/max of bounded ids), checked
+        before the step's first message: every rank raises the same ``ValueError``, whichever modules it
+        holds, and none waits on another."""
         errors = [error for name, node in self.graph.nodes.items()
                   for error in node.kind.batch_errors(name, node.config, batch)]
-        errors += [error for edge in self.edges.values() if isinstance(edge, RoutedEdge) and "image_grid" in batch
-                   for error in edge.batch_errors(batch)]
+        first = next((key for key in batch if not key.startswith(ITEM_PREFIX)), None)
+        if not errors and first is not None:
+            errors = [f"{name}: the batch's {column.name} hold {len(batch[column.name])} rows but its {first} hold "
+                      f"{len(batch[first])}; give every per-row column one entry per row"
+                      for name, node in self.graph.nodes.items() for column in node.kind.columns(node.config)
+                      if column.rows and column.name in batch and len(batch[column.name]) != len(batch[first])]
+        if not errors:
+            errors = [error for edge in self.edges.values() if isinstance(edge, RoutedEdge) and "image_grid" in batch
+                      for error in edge.batch_errors(batch)]
         if errors:
             raise ValueError("\n".join(errors))
 

@@ -16,12 +16,13 @@ import math
 
 import torch
 
-from hetero.data.genome import REGIONS
+from hetero.data.genome import BASES, REGIONS
 from hetero.models.genezip.config import GeneZipConfig
 from hetero.models.genezip.model import GeneZip, padded_tokens
 from hetero.models.genezip.objectives import genezip_loss, region_nats, routing_counts
 from hetero.models.genezip.plan import parallelize_genezip
 from hetero.models.genezip.regions import STATISTICS
+from hetero.kinds.columns import LONG, Column, Dim
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
 
 
@@ -38,6 +39,16 @@ class GeneZipKind(Kind):
 
     def data_keys(self, config: GeneZipConfig) -> tuple[str, ...]:
         return ("dna", "dna_regions")
+
+    def columns(self, config: GeneZipConfig) -> tuple[Column, ...]:
+        window = (Dim("seq_len", config.seq_len),)
+        return (
+            Column("dna", window, LONG, high=len(BASES), meaning=f"the bases {BASES}, hetero.data.genome.BASES",
+                   fix="encode the bases with hetero.data.genome.encode (A C G T: 0..3, anything else: 4)"),
+            Column("dna_regions", window, LONG, high=len(REGIONS),
+                   meaning=f"the regions {', '.join(REGIONS)}, hetero.data.genome.REGIONS",
+                   fix="label each base with its region's index in hetero.data.genome.REGIONS"),
+        )
 
     def loss_parts(self, config: GeneZipConfig) -> tuple[str, ...]:
         return ("prediction", "ratio") + (("region",) if config.region_budget() else ())

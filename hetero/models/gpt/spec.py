@@ -35,6 +35,7 @@ from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.moe import MoEFeedForward
 from hetero.models.gpt.plan import parallelize_gpt
+from hetero.kinds.columns import INTEGER, LONG, Column, Dim, column_errors
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
 from hetero.parallel.context import split_for_cp, zigzag_indices
 from hetero.parallel.layout import Layout
@@ -93,12 +94,21 @@ class GPTKind(Kind):
     def optional_keys(self, available) -> tuple[str, ...]:
         return ("documents",) if "documents" in available else ()
 
+    def columns(self, config: GPTConfig) -> tuple[Column, ...]:
+        row = (Dim("seq_len", config.seq_len),)
+        ids = dict(dtype=LONG, high=config.vocab_size, bound="vocab_size")
+        return (Column("tokens", row, **ids), Column("labels", row, ignore=IGNORE_INDEX, **ids),
+                Column("documents", row, INTEGER, optional=True))
+
     def batch_errors(self, module: str, config: GPTConfig, batch: dict[str, torch.Tensor]) -> list[str]:
-        errors = [f"{module}: the batch's {key} hold {batch[key].shape[1]} positions per row but {module}.model.seq_len="
-                  f"{config.seq_len}; make the data's sequences {config.seq_len} long or set {module}.model.seq_len="
-                  f"{batch[key].shape[1]}"
-                  for key in ("tokens", "labels", "documents")
-                  if key in batch and batch[key].dim() > 1 and batch[key].shape[1] != config.seq_len][:1]
+        errors = super().batch_errors(module, config, batch)
+        if errors:
+            return errors
+        positions = [Column(key, (), INTEGER, low=-1, high=config.seq_len, meaning=f"a position of its "
+                            f"{module}.model.seq_len={config.seq_len} long rows, or -1 for none",
+                            fix="point each at a position of its row, or -1 for none")
+                     for key in self.evaluation_keys(batch)]
+        errors = column_errors(module, positions, batch)
         if not errors and "documents" in batch:
             errors = [f"{module}: {error}" for error in document_errors(batch["documents"])]
         return errors

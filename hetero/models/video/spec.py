@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hetero.kinds.columns import BOOL, FLOATING, INTEGER, Column, Dim
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
 from hetero.models.video.config import VideoConfig
 from hetero.models.video.model import VideoGenerator
@@ -82,6 +83,12 @@ class VideoKind(Kind):
 
     def evaluation_keys(self, available) -> tuple[str, ...]:
         return ("revisit",) if "revisit" in available else ()
+
+    def columns(self, config: VideoConfig) -> tuple[Column, ...]:
+        # frame 0 is the first frame's context: the loss predicts frames 1.., so a clip needs two
+        frames, side = Dim("frames", minimum=2), Dim("frame_size", config.frame_size)
+        return (Column("clips", (frames, Dim("channels", config.channels), side, side), FLOATING),
+                Column("index", (), INTEGER), Column("revisit", (frames,), BOOL, optional=True))
 
     def loss_parts(self, config: VideoConfig) -> tuple[str, ...]:
         return ("flow", "distill", "sparsity") if config.memory.policy == "learned" else ("flow",)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from hetero.kinds.columns import FLOATING, INTEGER, Column, Dim
 from hetero.kinds.registry import Kind, Port, StageResult, StageStep
 from hetero.models.vit.config import ViTConfig
 from hetero.models.vit.model import VisionEncoder
@@ -71,13 +72,23 @@ class ViTKind(Kind):
                             or [torch.zeros(0, dtype=torch.long, device="cpu")])
         return {"image_patches": batch["image_patches"][patches], "image_grid": batch["image_grid"][local]}
 
-    def batch_errors(self, module: str, config: ViTConfig, batch: dict[str, torch.Tensor]) -> list[str]:
+    def columns(self, config: ViTConfig) -> tuple[Column, ...]:
         if not config.max_patches:
-            return []
-        missing = [k for k in ("image_patches", "image_grid", "image_row", "image_start") if k not in batch]
+            side = Dim("image_size", config.image_size)
+            return (Column("images", (Dim("channels", config.channels), side, side), FLOATING),)
+        items = dict(dtype=INTEGER, rows=False)
+        return (Column("image_patches", (Dim("patch values"),), FLOATING, rows=False),
+                Column("image_grid", (Dim("", 2),), **items), Column("image_row", (), **items),
+                Column("image_start", (), **items))
+
+    def batch_errors(self, module: str, config: ViTConfig, batch: dict[str, torch.Tensor]) -> list[str]:
+        missing = [c.name for c in self.columns(config) if c.name not in batch] if config.max_patches else []
         if missing:
             return [f"{module}: native-resolution images (max_patches={config.max_patches}) need the batch columns "
                     f"{', '.join(missing)} (hetero.data.native_images.image_columns)"]
+        errors = super().batch_errors(module, config, batch)
+        if errors or not config.max_patches:
+            return errors
         sizes = batch["image_grid"].cpu().prod(1)
         errors = [f"{module}: image {i} holds {int(sizes[i])} patches ({int(batch['image_grid'][i, 0])}×"
                   f"{int(batch['image_grid'][i, 1])}), more than {module}.model.max_patches={config.max_patches}; "

@@ -13,10 +13,13 @@ def _layout(args: argparse.Namespace) -> None:
     from hetero.config import load_experiment, split_config_and_overrides
     from hetero.graph import build_graph
     from hetero.parallel.rank_map import format_rank_map, rank_map
+    from hetero.train import datasets
 
     name, overrides = split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
-    description = rank_map(experiment, build_graph(experiment).placement)
+    graph = build_graph(experiment)
+    datasets.check(experiment, graph)
+    description = rank_map(experiment, graph.placement)
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
 
 
@@ -25,10 +28,15 @@ def _train(args: argparse.Namespace) -> int:
 
     from hetero.config import load_experiment, split_config_and_overrides
     from hetero.graph import build_graph
+    from hetero.train import datasets
 
     name, overrides = split_config_and_overrides(args.config)
     selection = [f"experiment={name}"] if name else []
-    nproc = args.nproc or build_graph(load_experiment(name, overrides)).placement.world_size
+    experiment = load_experiment(name, overrides)
+    graph = build_graph(experiment)
+    datasets.check(experiment, graph)
+    datasets.prepare(experiment, graph)  # here, so that a directory holding something else stops no rank
+    nproc = args.nproc or graph.placement.world_size
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         f"--max-restarts={args.max_restarts}", "-m", "hetero.train.run", *selection, *overrides,

@@ -115,10 +115,10 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100  # held-out evaluation (0: only at the end)
     eval_batches: int = 0  # held-out batches per evaluation (0: the whole held-out split)
-    dataset: str = "digits"  # the samples (hetero.train.datasets): digits | digits_dna | multimodal | video_clips | genome | stdlib_text
-    data_dir: str = "data/digits"  # webdataset shards; written there on first use
+    dataset: str = "digits"  # the samples: a name in hetero.train.datasets.DATASETS
+    data_dir: str = "data/digits"  # the digits' webdataset shards; written there on first use
     genome_dir: str = "data/genome"  # a DNA module's genome shards, one set per window length under it
-    clip_dir: str = "data/graph_clips"  # the multimodal samples' video clips
+    clip_dir: str = "data/video_clips"  # video clips, one set per shape, counts and seed under it
     presence: Presence = field(default_factory=Presence)  # multimodal samples: P(image), P(dna), P(clip)
     run_dir: str = "outputs"  # each run writes under run_dir/<experiment name>
     wandb: str = "offline"  # offline | disabled: no network is ever needed

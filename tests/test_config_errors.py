@@ -472,11 +472,17 @@ def test_the_dataset_must_hold_what_each_module_reads():
     from hetero.train.datasets import check
 
     experiment = load_experiment("genezip", ["train.dataset=video_clips"])
-    with pytest.raises(ConfigError, match=r"dna \(genezip\) reads dna, dna_regions, which train\.dataset=video_clips "
-                                          r"does not provide \(it provides clips, revisit, scene, index\)"):
+    with pytest.raises(ConfigError, match=r"^train\.dataset=video_clips gives the columns clips, revisit, scene, index "
+                                          r"but dna \(kind genezip\) reads dna, dna_regions; choose "
+                                          r"train\.dataset=digits_dna or multimodal or genome$"):
         check(experiment, build_graph(experiment))
-    with pytest.raises(ConfigError, match=r"train\.dataset='imagenet' is not one of digits, digits_dna"):
+    with pytest.raises(ConfigError, match=r"^train\.dataset=imagenet is not a dataset; choose one of digits, digits_dna, "
+                                          r"multimodal, video_clips, genome, stdlib_text, photo_documents$"):
         check(load_experiment("genezip", ["train.dataset=imagenet"]), build_graph(experiment))
+    vision_alone = graph_with(lambda raw: (raw.pop("llm"), raw.pop("video"), raw.update(edges=[])))
+    with pytest.raises(ConfigError, match=r"train\.dataset=digits sizes its samples by the module that reads tokens; "
+                                          r"none of vision does"):
+        check(vision_alone, build_graph(vision_alone))
 
 
 def test_kinds_register_once_and_unknown_ones_are_listed():

@@ -4,7 +4,9 @@
                          [--jobs 2]
 
 Data: a bacterial chromosome that ships in pyrodigal's wheel, coding/intergenic labels from pyrodigal's gene
-calls (``hetero.data.genome``); the last 10% of the chromosome is held out. Three models with the same
+calls (``hetero.data.genome``); the last 10% of the chromosome is held out. Its shards are the set of
+``--window`` bases in ``--data``/window<N>, where ``hetero train`` keeps its own (``train.genome_dir``): a
+set already there is reused, whichever command wrote it. Three models with the same
 blocks, widths, steps, batches and seed, at the same average bases per token (BPT):
 
 - ``genezip``: dynamic chunking with the Region-Aware Ratio: intergenic DNA aims at ``--intergenic-ratio``
@@ -35,7 +37,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hetero.data.genome import REGIONS, GenomeOptions, GenomeWindows, ensure_genome_shards
+from hetero.data.genome import REGIONS, GenomeOptions, GenomeWindows, ensure_genome_shards, genome_shards
+from hetero.data.shards import ShardError
+from hetero.errors import ConfigError
 from hetero.models.genezip.model import GeneZip
 from hetero.models.genezip.config import GeneZipConfig
 from hetero.models.genezip.objectives import bits_per_base, genezip_loss, heldout_metrics
@@ -127,12 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--jobs", type=int, default=1, help="models trained at once, one process each")
-    parser.add_argument("--data", default="data/genome")
+    parser.add_argument("--data", default="data/genome",
+                        help="genome shard sets, one per window length under it (as train.genome_dir)")
     parser.add_argument("--eval-batches", type=int, default=0,
                         help="held-out batches of 64 windows to evaluate (0: the whole held-out split)")
     args = parser.parse_args(argv)
 
-    manifest = ensure_genome_shards(args.data, GenomeOptions(window=args.window))
+    args.data = genome_shards(args.data, args.window)
+    try:
+        manifest = ensure_genome_shards(args.data, GenomeOptions(window=args.window))
+    except (FileExistsError, ShardError) as err:
+        raise ConfigError(f"--data: {err}") from err
     coding_fraction = manifest["meta"]["coding_fraction"]["train"]
     base = GeneZipConfig(
         seq_len=args.window, hidden_size=args.hidden, encoder_layers=args.encoder_layers,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards, make_clips
+from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards, make_clips, video_shards
 from hetero.models.video.model import FrameCache, VideoGenerator, context_schedule, patchify
 from hetero.models.video.config import VideoConfig
 from hetero.models.video.memory import MemoryConfig
@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data", default="data/video_clips")
+    parser.add_argument("--data", default="data/video_clips",
+                        help="clip sets, one per shape, counts and seed under it (as train.clip_dir)")
     parser.add_argument("--generator", help="load the pretrained generator from this file if it exists, "
                         "else save it there (to rerun the memory stages alone)")
     args = parser.parse_args(argv)
@@ -192,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     options = ClipOptions(frames=args.frames, gap=args.gap, a_len=args.a_len, revisit_motion=args.revisit_motion)
-    shard_dir = Path(args.data) / (f"f{args.frames}_a{args.a_len}_g{args.gap}_{args.revisit_motion}_"
-                                   f"n{args.train_clips}_{args.heldout_clips}")
+    shard_dir = video_shards(args.data, args.train_clips, args.heldout_clips, options, args.seed)
     ensure_video_shards(shard_dir, args.train_clips, args.heldout_clips, options, seed=args.seed)
     train = VideoClips(shard_dir, "train", args.batch, seed=args.seed)
     heldout = VideoClips(shard_dir, "heldout", args.heldout_clips, seed=args.seed).batch(0)

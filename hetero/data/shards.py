@@ -78,13 +78,15 @@ def ensure_shard_set(
     out_dir: str | os.PathLike, write: Callable[[], dict[str, Any]], wanted: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The manifest of the shard set in ``out_dir``, calling ``write`` first if no complete set is there;
-    ``ShardError`` naming every field of ``wanted`` that the set's ``meta`` records differently.
+    ``ShardError`` naming every field of ``wanted`` that the set's ``meta`` records differently, and
+    ``FileExistsError`` saying what ``out_dir`` holds if it is neither empty nor a shard set.
 
     Safe when several processes call it at once: one rename wins and the others read its set.
     """
     out_dir = Path(out_dir)
     if not (out_dir / MANIFEST).exists():
         try:
+            _refuse_existing(out_dir)  # before ``write`` makes the samples: a foreign directory is refused at once
             return write()
         except FileExistsError:
             if not (out_dir / MANIFEST).exists():
@@ -97,8 +99,8 @@ def ensure_shard_set(
     ]
     if differences:
         raise ShardError(
-            f"{out_dir} holds a different shard set: {', '.join(differences)}; "
-            f"delete that directory or choose another one"
+            f"{out_dir} holds a different shard set ({manifest['meta'].get('dataset', 'unnamed data')}): "
+            f"{', '.join(differences)}; delete that directory or choose another one"
         )
     return manifest
 
@@ -170,8 +172,30 @@ def read_columns(
 def _refuse_existing(out_dir: Path) -> None:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(
-            f"{out_dir} already exists and is not empty; choose another path or overwrite it"
+            f"{out_dir} already exists and is not empty: it holds {contents(out_dir)}; choose another path or "
+            f"overwrite it"
         )
+
+
+def contents(path: str | os.PathLike, shown: int = 4) -> str:
+    """What ``path`` holds, for a message: a file, a shard set and its data, or its first ``shown``
+    entries (each shard set among them with its data)."""
+    path = Path(path)
+    if not path.is_dir():
+        return "a file"
+    if (path / MANIFEST).is_file():
+        return _shard_set(path)
+    entries = sorted(path.iterdir())
+    named = [f"{entry.name}/ ({_shard_set(entry)})" if (entry / MANIFEST).is_file()
+             else entry.name + ("/" if entry.is_dir() else "") for entry in entries[:shown]]
+    return ", ".join(named) + (f" and {len(entries) - shown} more" if len(entries) > shown else "")
+
+
+def _shard_set(shard_dir: Path) -> str:
+    try:
+        return f"a shard set of {load_manifest(shard_dir)['meta'].get('dataset', 'unnamed data')}"
+    except (ShardError, ValueError, KeyError, TypeError):
+        return f"a {MANIFEST} that is not a shard set's"
 
 
 def _write_split(

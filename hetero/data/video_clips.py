@@ -294,6 +294,14 @@ def write_video_shards(
     return write_shard_set(out_dir, video_samples(counts, options, seed), samples_per_shard, meta, overwrite)
 
 
+def video_shards(root: str | Path, train_count: int, heldout_count: int, options: ClipOptions, seed: int) -> Path:
+    """Where a job or a benchmark keeps the clips made with these arguments: one set per choice under
+    ``root``, so that sets of other shapes, counts or seeds never meet in one directory."""
+    o = options
+    return Path(root) / (f"frames{o.frames}_size{o.size}_a{o.a_len}_gap{o.gap}x{o.gap_scenes}_digit{o.digit_size}_"
+                         f"{o.revisit_motion}_n{train_count}-{heldout_count}_seed{seed}")
+
+
 def ensure_video_shards(
     out_dir: str | Path,
     train_count: int = 1024,

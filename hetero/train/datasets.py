@@ -3,8 +3,13 @@
 Each dataset gives global batches (the same on every rank): ``batch(step)`` of the training split and
 ``ordered_batches()`` of the held-out split, with the columns the graph's kinds read. Sizes come from the
 modules: the placeholders in the LLM's sequence from the edges into it, the genome window from the DNA
-module, the frame size from the video module. ``prepare`` writes missing shards (rank 0, before the job's
-barrier); they are real data that installs with the packages (``hetero.data``).
+module, the frame size from the video module. ``check`` refuses, from the config alone, a dataset that
+is unknown or lacks a column a module reads (``DATASETS``: what each one holds). ``prepare`` writes
+missing shards (``hetero train`` before it launches the ranks, rank 0 before the job's barrier); they are
+real data that installs with the packages (``hetero.data``). Each shard set has a directory of its own,
+so no two ever meet: the digits in ``train.data_dir``, genome windows in ``train.genome_dir/window<N>``,
+clips in ``train.clip_dir/<shape, counts, seed>`` (``video_shards``); a set already there with the same
+options is reused, and a directory that holds anything else is refused, saying what it holds.
 
 - ``digits``: captioned scikit-learn digits (``images``, ``tokens``, ``labels``, ``digit_position``);
   with ``train.stream_buffer`` > 0 its training split streams from the shards through a shuffle buffer
@@ -22,6 +27,8 @@ barrier); they are real data that installs with the packages (``hetero.data``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -34,9 +41,10 @@ from hetero.data.digits import DigitBatches, digit_columns, ensure_digit_shards
 from hetero.data.genome import GenomeOptions, GenomeWindows, ensure_genome_shards, genome_shards
 from hetero.data.multimodal import MultimodalBatches
 from hetero.data.photo_documents import PhotoDocuments
+from hetero.data.shards import ShardError
 from hetero.data.stream import ShardStream
 from hetero.data.text import heldout_batches, load_stdlib_corpus, sample_batch, tokenized
-from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards
+from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards, video_shards
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph, Node
 
@@ -102,8 +110,8 @@ def _reader(graph: Graph, key: str, dataset: str) -> Node:
     for node in graph.nodes.values():
         if key in node.kind.data_keys(node.config):
             return node
-    raise ConfigError(f"train.dataset={dataset} needs a module that reads {key!r}; none of "
-                      f"{', '.join(graph.nodes)} does: pick a dataset for these modules")
+    raise ConfigError(f"train.dataset={dataset} sizes its samples by the module that reads {key}; none of "
+                      f"{', '.join(graph.nodes)} does: choose a dataset for these modules or add one that reads {key}")
 
 
 def _placeholders(graph: Graph, llm: Node, modality: str | None = None) -> int:
@@ -112,8 +120,15 @@ def _placeholders(graph: Graph, llm: Node, modality: str | None = None) -> int:
                and (modality is None or graph.nodes[e.src].kind.modality == modality))
 
 
-def _genome_dir(experiment: ExperimentConfig, graph: Graph, dataset: str):
+def _genome_dir(experiment: ExperimentConfig, graph: Graph, dataset: str) -> Path:
     return genome_shards(experiment.train.genome_dir, _reader(graph, "dna", dataset).config.seq_len)
+
+
+def _clip_dir(experiment: ExperimentConfig, graph: Graph, dataset: str) -> tuple[Path, ClipOptions]:
+    """The clips' shard set under ``train.clip_dir`` (one per shape and seed) and their options."""
+    frame_size = _reader(graph, "clips", dataset).config.frame_size
+    options = graph_clip_options(frame_size) if dataset == "multimodal" else ClipOptions(size=frame_size)
+    return video_shards(experiment.train.clip_dir, CLIPS["train"], CLIPS["heldout"], options, experiment.seed), options
 
 
 def load_splits(experiment: ExperimentConfig, graph: Graph, splits=("train", "heldout")) -> dict[str, Batches]:
@@ -124,20 +139,45 @@ def load_splits(experiment: ExperimentConfig, graph: Graph, splits=("train", "he
     return {split: load(experiment, graph, split) for split in splits}
 
 
-def prepare(experiment: ExperimentConfig, graph: Graph) -> None:
-    """Write the dataset's shards where missing (call on one rank, then barrier)."""
+@dataclass(frozen=True)
+class ShardSet:
+    """A shard set a dataset reads: ``path``, under the directory of ``train.<field>``; ``ensure`` writes it
+    if missing and returns its manifest."""
+
+    field: str
+    path: Path
+    ensure: Callable[[], dict]
+
+
+def shard_sets(experiment: ExperimentConfig, graph: Graph) -> list[ShardSet]:
+    """The shard sets ``train.dataset`` reads (none for the datasets made in memory), each in a directory
+    of its own: the digits in ``data_dir``, windows of N bases in ``genome_dir/windowN``, clips in
+    ``clip_dir/<shape, counts, seed>``."""
     cfg, dataset = experiment.train, experiment.train.dataset
+    sets = []
     if dataset in ("digits", "digits_dna", "multimodal"):
-        ensure_digit_shards(cfg.data_dir)
+        sets.append(ShardSet("data_dir", Path(cfg.data_dir), lambda: ensure_digit_shards(cfg.data_dir)))
     if dataset in ("digits_dna", "multimodal", "genome"):
-        window = _reader(graph, "dna", dataset).config.seq_len
-        ensure_genome_shards(genome_shards(cfg.genome_dir, window), GenomeOptions(window=window))
-    if dataset == "multimodal":
-        frame_size = _reader(graph, "clips", dataset).config.frame_size
-        ensure_video_shards(cfg.clip_dir, CLIPS["train"], CLIPS["heldout"], graph_clip_options(frame_size), experiment.seed)
-    if dataset == "video_clips":
-        frame_size = _reader(graph, "clips", dataset).config.frame_size
-        ensure_video_shards(cfg.data_dir, CLIPS["train"], CLIPS["heldout"], ClipOptions(size=frame_size), experiment.seed)
+        genome_dir, window = _genome_dir(experiment, graph, dataset), _reader(graph, "dna", dataset).config.seq_len
+        sets.append(ShardSet("genome_dir", genome_dir,
+                             lambda: ensure_genome_shards(genome_dir, GenomeOptions(window=window))))
+    if dataset in ("multimodal", "video_clips"):
+        clip_dir, options = _clip_dir(experiment, graph, dataset)
+        sets.append(ShardSet("clip_dir", clip_dir, lambda: ensure_video_shards(
+            clip_dir, CLIPS["train"], CLIPS["heldout"], options, experiment.seed)))
+    return sets
+
+
+def prepare(experiment: ExperimentConfig, graph: Graph) -> None:
+    """Write the dataset's missing shard sets and reuse those already there (on one process: ``hetero
+    train`` before it launches the ranks, rank 0 before the job's barrier); a directory that holds
+    something else is a ``ConfigError`` naming the field that chose it and what it holds."""
+    for shard_set in shard_sets(experiment, graph):
+        try:
+            shard_set.ensure()
+        except (ShardError, FileExistsError) as err:
+            root = getattr(experiment.train, shard_set.field)
+            raise ConfigError(f"train.{shard_set.field}={root}: {err}") from err
 
 
 def graph_clip_options(frame_size: int) -> ClipOptions:
@@ -163,11 +203,12 @@ def load(experiment: ExperimentConfig, graph: Graph, split: str) -> Batches:
                                _placeholders(graph, llm, "image"), _placeholders(graph, llm, "dna"), seq_len, seed,
                                cfg.bad_shards)
     if dataset == "multimodal":
-        return MultimodalBatches(cfg.data_dir, _genome_dir(experiment, graph, dataset), cfg.clip_dir, split, size,
+        return MultimodalBatches(cfg.data_dir, _genome_dir(experiment, graph, dataset),
+                                 _clip_dir(experiment, graph, dataset)[0], split, size,
                                  _placeholders(graph, llm, "image"), _placeholders(graph, llm, "dna"), seq_len, seed,
                                  cfg.presence, cfg.bad_shards)
     if dataset == "video_clips":
-        return Renamed(VideoClips(cfg.data_dir, split, size, seed), {"frames": "clips"})
+        return Renamed(VideoClips(_clip_dir(experiment, graph, dataset)[0], split, size, seed), {"frames": "clips"})
     if dataset == "genome":
         windows = GenomeWindows(_genome_dir(experiment, graph, dataset), split, size, seed)
         return Renamed(windows, {"bases": "dna", "regions": "dna_regions"})
@@ -177,41 +218,58 @@ def load(experiment: ExperimentConfig, graph: Graph, split: str) -> Batches:
                               seed)
     if dataset == "stdlib_text":
         return TextWindows(split, size, seq_len, seed, tokenizer_of(llm))
-    raise ConfigError(f"train.dataset={dataset!r} is not one of {', '.join(DATASETS)}")
+    raise ConfigError(f"train.dataset={dataset} is not a dataset; choose one of {', '.join(DATASETS)}")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """What the check before launch knows of a built-in dataset without building it: the columns its
+    batches hold, and the columns whose reader sizes its samples (the LLM's sequence, the genome window,
+    the clip's frames): some module must read each of those."""
+
+    columns: tuple[str, ...]
+    sized_by: tuple[str, ...]
 
 
 _DIGITS = ("images", "tokens", "labels", "digit_position", "label", "index")
-COLUMNS = {  # what each dataset's batches hold
-    "digits": _DIGITS,
-    "digits_dna": _DIGITS + ("dna", "dna_regions", "gc", "gc_position"),
-    "multimodal": _DIGITS + ("dna", "dna_regions", "gc", "gc_position", "clips", "clip_index", "has_image",
-                             "has_dna", "has_clip"),
-    "video_clips": ("clips", "revisit", "scene", "index"),
-    "genome": ("dna", "dna_regions"),
-    "stdlib_text": ("tokens", "labels"),
-    "photo_documents": ("tokens", "labels", "documents", "image_patches", "image_grid", "image_row", "image_start",
-                        "index"),
+_DNA = ("dna", "dna_regions", "gc", "gc_position")
+DATASETS: dict[str, Dataset] = {
+    "digits": Dataset(_DIGITS, ("tokens",)),
+    "digits_dna": Dataset(_DIGITS + _DNA, ("tokens", "dna")),
+    "multimodal": Dataset(_DIGITS + _DNA + ("clips", "clip_index", "has_image", "has_dna", "has_clip"),
+                          ("tokens", "dna", "clips")),
+    "video_clips": Dataset(("clips", "revisit", "scene", "index"), ("clips",)),
+    "genome": Dataset(("dna", "dna_regions"), ("dna",)),
+    "stdlib_text": Dataset(("tokens", "labels"), ("tokens",)),
+    "photo_documents": Dataset(("tokens", "labels", "documents", "image_patches", "image_grid", "image_row",
+                                "image_start", "index"), ("tokens", "image_patches")),
 }
-DATASETS = tuple(COLUMNS)
 
 
 def check(experiment: ExperimentConfig, graph: Graph) -> None:
-    """Refuse, before any process group, a dataset that is unknown or lacks a column a module reads."""
+    """Refuse, before any process starts, a dataset that is unknown, lacks a column a module reads, or has
+    no module to size its samples: a function of the config (no shard is read or written)."""
     dataset = experiment.train.dataset
-    if dataset not in COLUMNS:
-        raise ConfigError(f"train.dataset={dataset!r} is not one of {', '.join(DATASETS)}")
+    if dataset not in DATASETS:
+        raise ConfigError(f"train.dataset={dataset} is not a dataset; choose one of {', '.join(DATASETS)}")
     if experiment.train.stream_buffer and dataset != "digits":
         raise ConfigError(f"train.stream_buffer={experiment.train.stream_buffer}: streaming reads the digits' shards; "
                           f"train.dataset={dataset} is read whole, so set train.stream_buffer=0")
     if experiment.train.stream_buffer < 0:
         raise ConfigError(f"train.stream_buffer={experiment.train.stream_buffer} must be >= 0 (0: read into memory)")
+    reads = {node.name: set(node.kind.data_keys(node.config)) for node in graph.nodes.values()}
     for node in graph.nodes.values():
-        missing = [key for key in node.kind.data_keys(node.config) if key not in COLUMNS[dataset]]
+        missing = [key for key in node.kind.data_keys(node.config) if key not in DATASETS[dataset].columns]
         if missing:
+            fitting = [name for name, d in DATASETS.items() if all(keys <= set(d.columns) for keys in reads.values())]
             raise ConfigError(
-                f"{node.name} ({node.kind.name}) reads {', '.join(missing)}, which train.dataset={dataset} does not "
-                f"provide (it provides {', '.join(COLUMNS[dataset])}); choose a dataset with them"
+                f"train.dataset={dataset} gives the columns {', '.join(DATASETS[dataset].columns)} but {node.name} "
+                f"(kind {node.kind.name}) reads {', '.join(missing)}; "
+                + (f"choose train.dataset={' or '.join(fitting)}" if fitting else
+                   "no built-in dataset has every column these modules read: train them with batches of your own")
             )
+    for key in DATASETS[dataset].sized_by:
+        _reader(graph, key, dataset)
     if dataset == "stdlib_text" and (tokenizer := tokenizer_of(llm := _reader(graph, "tokens", dataset))):
         from tokenizers import Tokenizer
 

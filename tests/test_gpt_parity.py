@@ -1,4 +1,4 @@
-"""The GPT under every parallel layout matches one process: losses and gradient norms for 10 AdamW
+"""The GPT under every parallel layout matches one process: losses and gradient norms for 4 AdamW
 steps, every replica's gradients at step 1 (``hetero.testing.parity``).
 
 fp32, fixed seed and data, ≥4 microbatches per step, through the runtime (a graph of one ``gpt`` module).
@@ -24,7 +24,7 @@ CONFIG = GPTConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num
                    ffn_hidden_size=64, seq_len=16)
 GLOBAL_BATCH = 8
 MICROBATCHES = 4
-STEPS = 10
+STEPS = 4  # step 1's gradients; steps 2-4 on weights and AdamW moments the run updated itself
 LR = 1e-2
 SEED = 1234
 
@@ -130,7 +130,8 @@ def results_for_world_size(world_size: int) -> dict | Exception:
                   for name in BF16_LAYOUTS]
     # The whole group runs inside the first of its tests, under pytest-timeout's 600 s net (pyproject);
     # this bound fires first, with the ranks' stacks, and is cached. A collective fails after 300 s, the
-    # bound each case had in a world of its own. Measured on 2 idle cores: 35 s (2 ranks), 67 s (4), 52 s (8).
+    # bound each case had in a world of its own. Measured on 2 idle cores, at 10 steps a case: 35 s (2 ranks),
+    # 67 s (4), 52 s (8).
     try:
         results = run_ranks(train_cases_on_ranks, world_size, cases, timeout_s=540, collective_timeout_s=300)
     except Exception as err:

@@ -1,12 +1,8 @@
 """Streamed shards (``hetero.data.stream``): real webdataset shards read through a shuffle buffer; every
 epoch a permutation of the split, batches spanning epochs, the same batch from a fresh reader at any
-step (what a resume does), and only a bounded number of shards decoded at a time. Then the job: a run
-saved at vision dp4 / LLM dp2 and resumed at vision dp2 / LLM dp1, and back, trains on the very sample
-ids of the uninterrupted run, none missing or repeated."""
-
-import json
-import subprocess
-import sys
+step (what a resume does), and only a bounded number of shards decoded at a time. (The job on streamed
+shards, resumed under other DP degrees and back, training on the very sample ids of the uninterrupted run,
+is checked in test_checkpoint_resume.py.)"""
 
 import torch
 
@@ -46,35 +42,3 @@ def test_a_fresh_reader_serves_the_same_batch_at_any_step(tmp_path):
         assert torch.equal(later.batch(step)["index"], straight.batch(step)["index"])
     other_seed = ShardStream(path, "train", 12, columns, seed=2, buffer=32)
     assert not torch.equal(other_seed.batch(0)["index"], straight.batch(0)["index"])
-
-
-COMMON = ["train.log_every=4", "train.eval_every=0", "train.eval_batches=1", "train.steps=12",
-          "train.checkpoint.every=4", "train.checkpoint.keep=0", "train.stream_buffer=64", "train.sample_log=true", "train.wandb=disabled"]
-WIDE = ["world_size=4", "vision.layout.dp=4", "vision.micro_batch_size=4", "llm.layout.tp=2", "llm.layout.dp=2",
-        "batch.micro_batch_size=8"]
-NARROW = ["world_size=2", "vision.layout.dp=2", "vision.micro_batch_size=8", "llm.layout.tp=2", "llm.layout.dp=1",
-          "batch.micro_batch_size=16"]
-
-
-def train(tmp_path, run, *overrides):
-    paths = [f"train.data_dir={tmp_path / 'digits'}", f"train.run_dir={tmp_path / run}"]
-    done = subprocess.run([sys.executable, "-m", "hetero.cli", "train", "colocated_vlm", *COMMON, *overrides, *paths],
-                          capture_output=True, text=True, timeout=400, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = (tmp_path / run / "colocated_vlm" / "samples.jsonl").read_text().splitlines()
-    return done.stdout, {row["step"]: row["ids"] for row in map(json.loads, lines)}
-
-
-def test_a_resume_under_other_dp_degrees_trains_on_the_same_samples(tmp_path):
-    _, straight = train(tmp_path, "straight", *WIDE)
-    assert sorted(straight) == list(range(1, 13))
-    consumed = [i for step in range(1, 13) for i in straight[step]]
-    assert len(consumed) == len(set(consumed)) == 12 * 16  # less than an epoch: no sample twice
-    checkpoints = tmp_path / "straight" / "colocated_vlm" / "checkpoints"
-    out, narrow = train(tmp_path, "narrow", *NARROW, f"train.checkpoint.resume={checkpoints / 'step_000004'}")
-    assert "weights and optimizer states were resharded" in out
-    assert sorted(narrow) == list(range(5, 13)) and all(narrow[s] == straight[s] for s in narrow)
-    back = tmp_path / "narrow" / "colocated_vlm" / "checkpoints" / "step_000008"
-    out, wide = train(tmp_path, "wide", *WIDE, f"train.checkpoint.resume={back}")
-    assert "weights and optimizer states were resharded" in out
-    assert sorted(wide) == list(range(9, 13)) and all(wide[s] == straight[s] for s in wide)

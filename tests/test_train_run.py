@@ -1,6 +1,6 @@
 """The training job end to end under torchrun for each kind of experiment: shards written on first use,
-progress lines, held-out metrics and a summary. (The colocated VLM's run, with its wandb offline run, is
-checked in test_checkpoint_resume.py, where it is also the run that is resumed under new layouts.)"""
+progress lines, held-out metrics and a summary. (The colocated VLM's run, with its wandb offline run, and
+GeneZip's under tp2 are checked in test_checkpoint_resume.py, where they are also the runs that are resumed.)"""
 
 import subprocess
 import sys
@@ -38,22 +38,6 @@ def test_hetero_train_runs_the_video_generator_with_a_learned_memory(tmp_path):
     assert "revisit mse" in heldout and "all mse" in heldout, heldout
     assert "summary: steps 2" in out
     assert (tmp_path / "clips" / "manifest.json").is_file()
-
-
-def test_hetero_train_runs_genezip_under_tp2(tmp_path):
-    """genezip: the DNA compressor alone under tp2, genome shards written on first use (per window), its
-    checkpoints (resuming the lone job is checked in test_faults.py)."""
-    done = hetero_train(tmp_path, "genezip", "train.steps=3", "train.log_every=1", "train.eval_every=0",
-                        f"train.genome_dir={tmp_path / 'genome'}", "dna.model.seq_len=256", "train.checkpoint.every=2")
-    out = done.stdout
-    assert "--nproc_per_node=2" in out
-    assert "step     3 | loss" in out and "dna loss" in out and "ratio" in out
-    (heldout,) = [line for line in out.splitlines() if line.startswith("step     3 | held-out")]
-    for metric in ("bits per base", "bpt.intergenic", "bpt.coding", "fewest per window"):
-        assert metric in heldout, heldout
-    assert (tmp_path / "genome" / "window256" / "manifest.json").is_file()
-    checkpoints = tmp_path / "runs" / "genezip" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002", "step_000003"]
 
 
 def test_hetero_train_feeds_dna_and_images_into_the_llm(tmp_path):

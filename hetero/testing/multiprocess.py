@@ -6,8 +6,9 @@ killed and ``RankFailure`` carries the first failing rank's traceback. If the ra
 within ``timeout_s``, every process is killed and ``RankTimeout`` names the ranks still running (their
 Python stacks are dumped to stderr just before). Nothing can hang the caller.
 
-Processes come from a forkserver that has already imported torch, so starting 8 ranks is cheap and
-no thread state of the caller (e.g. OpenMP pools in pytest's process) leaks into the children.
+Processes come from a forkserver that has already imported torch and hetero's runtime, so starting 8
+ranks is cheap and no thread state of the caller (e.g. OpenMP pools in pytest's process) leaks into the
+children.
 
 Every rank records the point-to-point operations and collectives ``fn`` posts, and a run whose traffic
 breaks a rule NCCL enforces (``hetero.testing.comm_rules``) raises ``CommRuleViolation`` even though gloo
@@ -30,7 +31,12 @@ from typing import Any, Callable
 from hetero.testing.comm_rules import Recorder, check
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "hetero"])
+# What nearly every rank imports, so that each fork starts with it: the runtime pulls in DTensor (and
+# sympy through it), about 1 CPU-second a rank when imported after the fork. Only imports: nothing here
+# may start a thread or an OpenMP pool before the fork (a module that fails to import is skipped).
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "hetero", "hetero.runtime",
+                                 "hetero.testing.experiments", "hetero.testing.parity", "hetero.testing.references",
+                                 "hetero.testing.full_graph"])
 
 
 class RankFailure(RuntimeError):

@@ -52,24 +52,51 @@ def check_parity(ranks: list[Record], reference: Record, what: str, tolerance: f
                  grad_tolerance: float | None = None, later_norm_tolerance: float = LATER_NORM_TOLERANCE) -> str:
     """Raise ``AssertionError`` naming the first disagreement; return a one-line summary of the errors.
     ``grad_tolerance``: the gradients' (``tolerance`` unless given)."""
-    grad_tolerance = tolerance if grad_tolerance is None else grad_tolerance
+    loss_bounds = [[tolerance] * len(losses) for losses in reference.losses]
+    norm_bounds = [tolerance] + [later_norm_tolerance] * (len(reference.grad_norms) - 1)
+    worst = compare(ranks, reference, what, loss_bounds, norm_bounds,
+                    tolerance if grad_tolerance is None else grad_tolerance)
+    return (f"{what}: worst loss rel error {worst.loss:.1e}, grad norm {worst.norms[0]:.1e} at step 1 and "
+            f"{max(worst.norms[1:], default=0):.1e} later, gradient {worst.grad:.1e} ({worst.grad_name})")
+
+
+@dataclass
+class Worst:
+    """The largest errors ``compare`` met (relative), each also as a share of its bound."""
+    loss: float = 0.0
+    loss_share: float = 0.0
+    loss_at: str = ""  # where the largest share was, e.g. "step 3 loss 2"
+    norms: list[float] = field(default_factory=list)
+    norm_share: float = 0.0
+    grad: float = 0.0
+    grad_share: float = 0.0
+    grad_name: str = ""
+
+
+def compare(ranks: list[Record], reference: Record, what: str, loss_bounds: Sequence[Sequence[float]],
+            norm_bounds: Sequence[float], grad_tolerance: float) -> Worst:
+    """``check_parity``'s checks, each loss and each step's grad norm within its own relative bound
+    (``loss_bounds[step][i]``, ``norm_bounds[step]``)."""
     first = ranks[0]
     for rank, record in enumerate(ranks):
         assert record.losses == first.losses, f"{what}: rank {rank} reports other losses than rank 0"
         assert record.grad_norms == first.grad_norms, f"{what}: rank {rank} reports other grad norms than rank 0"
     assert len(first.losses) == len(reference.losses), f"{what}: {len(first.losses)} steps vs {len(reference.losses)}"
-    loss_error = 0.0
-    for step, (got, want) in enumerate(zip(first.losses, reference.losses)):
+    worst = Worst()
+    for step, (got, want, bounds) in enumerate(zip(first.losses, reference.losses, loss_bounds)):
         assert len(got) == len(want), f"{what}: step {step + 1} has {len(got)} losses, the reference {len(want)}"
-        for i, (a, b) in enumerate(zip(got, want)):
-            loss_error = max(loss_error, relative(a, b))
-            assert relative(a, b) <= tolerance, f"{what}: step {step + 1} loss {i}: {a} vs reference {b}"
-    norm_errors = [relative(a, b) for a, b in zip(first.grad_norms, reference.grad_norms)]
-    assert len(norm_errors) == len(reference.grad_norms), f"{what}: a grad norm per step"
-    for step, error in enumerate(norm_errors):
-        bound = tolerance if step == 0 else later_norm_tolerance
+        for i, (a, b, bound) in enumerate(zip(got, want, bounds)):
+            error = relative(a, b)
+            worst.loss = max(worst.loss, error)
+            if error / bound > worst.loss_share:
+                worst.loss_share, worst.loss_at = error / bound, f"step {step + 1} loss {i}"
+            assert error <= bound, f"{what}: step {step + 1} loss {i}: {a} vs reference {b} (bound {bound:.1e})"
+    worst.norms = [relative(a, b) for a, b in zip(first.grad_norms, reference.grad_norms)]
+    assert len(worst.norms) == len(reference.grad_norms), f"{what}: a grad norm per step"
+    for step, (error, bound) in enumerate(zip(worst.norms, norm_bounds)):
+        worst.norm_share = max(worst.norm_share, error / bound)
         assert error <= bound, (f"{what}: step {step + 1} grad norm before clipping {first.grad_norms[step]} vs "
-                                f"{reference.grad_norms[step]}")
+                                f"{reference.grad_norms[step]} (bound {bound:.1e})")
     held: dict[str, tuple[int, torch.Tensor]] = {}
     for rank, record in enumerate(ranks):
         for name, grad in record.grads.items():
@@ -80,33 +107,63 @@ def check_parity(ranks: list[Record], reference: Record, what: str, tolerance: f
                 held[name] = (rank, grad)
     missing, extra = sorted(set(reference.grads) - set(held)), sorted(set(held) - set(reference.grads))
     assert not missing and not extra, f"{what}: gradients missing {missing}, unexpected {extra}"
-    grad_error, worst = 0.0, ""
     for name, want in reference.grads.items():
         error = ((held[name][1] - want).norm() / want.norm().clamp(min=1e-30)).item()
-        if error > grad_error:
-            grad_error, worst = error, name
+        if error > worst.grad:
+            worst.grad, worst.grad_name = error, name
         assert error <= grad_tolerance, f"{what}: gradient {name} relative error {error:.1e}"
-    return (f"{what}: worst loss rel error {loss_error:.1e}, grad norm {norm_errors[0]:.1e} at step 1 and "
-            f"{max(norm_errors[1:], default=0):.1e} later, gradient {grad_error:.1e} ({worst})")
+    worst.grad_share = worst.grad / grad_tolerance
+    return worst
 
 
-# bf16 keeps 8 significant bits (a rounding step of 2^-8 = 3.9e-3): where a parallel run rounds at other
-# points than one process (TP's partial sums, CP's merged blocks, microbatch slices) the worst gradient
-# elements move by a few steps. Measured worst over every kind and layout tested: losses (every step)
-# 1.3e-4, step-1 norm 8.5e-4, gradients 1.2e-2; the bounds are a few times those. Later norms are not
-# compared: AdamW turns those gradient differences into lr-sized weight differences, and GPT tp2's norm
-# at step 3 (lr 1e-2) was 7% off while its losses stayed within 1.2e-4.
-BF16_TOLERANCE, BF16_GRAD_TOLERANCE = 2e-3, 5e-2
-# What bf16 moves a module's step-1 gradients by against fp32 at the least (measured: 9.5e-3 to 7.4e-2 for
+# A bf16 run rounds at other points in parallel than in one process (TP's partial sums, CP's merged
+# blocks, microbatch slices), and the CPU's bf16 kernels (AVX2, AVX-512 BF16, AMX) round differently
+# again, so a fixed bound holds on some CPUs only (issue 46: AMX moved GeneZip's step-3 ratio loss by 4.3e-3
+# against a fixed 2e-3). The bounds follow the run instead:
+#
+# - each loss at step s within max(BF16_FLOOR, BF16_MULTIPLE * d), d the one-process bf16 run's largest
+#   relative divergence from the one-process fp32 run on that loss over steps 1..s; the step-1 gradient
+#   norm likewise, from its step-1 divergence. The parallel run is another bf16 rounding of the same fp32
+#   computation, about as far from it as the one-process bf16 run; by the triangle inequality the two then
+#   differ by up to twice that. Over steps 1..s because AdamW carries a difference forward: GeneZip's
+#   ratio loss counts chunk starts, bf16 flips some at step 2 (1.7e-2) and then agrees within 6.4e-4 at
+#   step 3 on weights that still differ; the AMX run's 4.3e-3 there sits at 0.13 of its bound.
+# - BF16_FLOOR, bf16's unit roundoff 2^-9: below it the runs differ by less than one bf16 rounding of the
+#   loss. Before any update d is 4e-6 to 5e-4 in every test, so step 1's bounds are this floor.
+# - step-1 gradients within a fixed BF16_GRAD_TOLERANCE: same weights and data, and their error is the
+#   same under every oneDNN/MKL/ATen ISA tried. Later norms are not compared: AdamW turns those gradient
+#   differences into lr-sized weight differences, and GPT tp2's norm at step 3 (lr 1e-2) was 9% off while
+#   its losses stayed within 1.5e-4.
+#
+# Worst share of the bound over every bf16 test under ONEDNN_MAX_CPU_ISA unset (AVX-512 BF16 here),
+# AVX512_CORE and AVX2 (with MKL and ATen at AVX2 too): losses 0.16 (3.2e-4, GPT dp2+fsdp), step-1 norm
+# 0.27, gradients 0.24 (1.2e-2). GeneZip dp2 without its gradient all-reduce exceeds the bounds 36x and more
+# on step 3's losses, 25x on the step-1 norm, 14x on gradients; with its gradients halved, 30x on the norm.
+BF16_FLOOR, BF16_MULTIPLE, BF16_GRAD_TOLERANCE = 2.0**-9, 2.0, 5e-2
+# What bf16 moves a module's step-1 gradients by against fp32 at the least (measured: 9.5e-3 to 1.6e-1 for
 # the worst parameter of each module); a module whose ``precision`` were ignored would sit at fp32 parity.
 BF16_SHIFT = 2e-3
 
 
+def bf16_bounds(bf16: Record, fp32: Record) -> tuple[list[list[float]], float]:
+    """The bounds on each step's losses and on the step-1 gradient norm of a bf16 run against ``bf16``,
+    the one-process run under the same autocast, from its divergence from ``fp32`` (see above)."""
+    assert len(bf16.losses) == len(fp32.losses), f"{len(bf16.losses)} bf16 steps vs {len(fp32.losses)} fp32"
+    bounds, divergence = [], [0.0] * len(bf16.losses[0])
+    for got, base in zip(bf16.losses, fp32.losses):
+        divergence = [max(d, relative(a, b)) for d, a, b in zip(divergence, got, base)]
+        bounds.append([max(BF16_FLOOR, BF16_MULTIPLE * d) for d in divergence])
+    return bounds, max(BF16_FLOOR, BF16_MULTIPLE * relative(bf16.grad_norms[0], fp32.grad_norms[0]))
+
+
 def check_bf16_parity(ranks: list[Record], bf16: Record, fp32: Record, what: str) -> str:
-    """A bf16 run against the one-process reference under the same autocast (``check_parity`` at the bf16
-    bounds), and proof that bf16 ran: every module's worst step-1 gradient sits at least ``BF16_SHIFT``
-    from the fp32 reference's."""
-    summary = check_parity(ranks, bf16, what, BF16_TOLERANCE, BF16_GRAD_TOLERANCE, later_norm_tolerance=math.inf)
+    """A bf16 run against the one-process reference under the same autocast (``compare`` within
+    ``bf16_bounds``), and proof that bf16 ran: every module's worst step-1 gradient sits at least
+    ``BF16_SHIFT`` from the fp32 reference's. The summary gives each kind of figure's worst share of its
+    bound."""
+    loss_bounds, norm_bound = bf16_bounds(bf16, fp32)
+    worst = compare(ranks, bf16, what, loss_bounds, [norm_bound] + [math.inf] * (len(bf16.grad_norms) - 1),
+                    BF16_GRAD_TOLERANCE)
     held = {name: grad for record in ranks for name, grad in record.grads.items()}
     shifts: dict[str, float] = {}
     for name, want in fp32.grads.items():
@@ -116,7 +173,9 @@ def check_bf16_parity(ranks: list[Record], bf16: Record, fp32: Record, what: str
     for module, shift in shifts.items():
         assert shift >= BF16_SHIFT, (f"{what}: {module}'s gradients are within {shift:.1e} of fp32's: its bf16 "
                                      f"precision did not take effect")
-    return summary + "; worst gradient shift from fp32 " + ", ".join(f"{m} {s:.1e}" for m, s in shifts.items())
+    return (f"{what}: worst error / bound: losses {worst.loss_share:.2f} ({worst.loss_at}), step-1 grad norm "
+            f"{worst.norm_share:.2f}, gradients {worst.grad_share:.2f} ({worst.grad_name}); worst loss rel error "
+            f"{worst.loss:.1e}, gradient shift from fp32 " + ", ".join(f"{m} {s:.1e}" for m, s in shifts.items()))
 
 
 def record_run(runtime, batches: Iterable[dict], keys: Sequence[str] = ("loss",)) -> Record:

@@ -18,7 +18,7 @@ def _layout(args: argparse.Namespace) -> None:
     name, overrides = split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
     graph = build_graph(experiment)
-    datasets.check(experiment, graph)
+    datasets.open_sources(experiment, graph)
     description = rank_map(experiment, graph.placement)
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
 
@@ -34,7 +34,7 @@ def _train(args: argparse.Namespace) -> int:
     selection = [f"experiment={name}"] if name else []
     experiment = load_experiment(name, overrides)
     graph = build_graph(experiment)
-    datasets.check(experiment, graph)
+    datasets.open_sources(experiment, graph)
     datasets.prepare(experiment, graph)  # here, so that a directory holding something else stops no rank
     nproc = args.nproc or graph.placement.world_size
     command = [
@@ -61,6 +61,7 @@ BENCHMARKS = {
     "plan-accuracy": "hetero.bench.plan_accuracy",
     "scale": "hetero.bench.scale",
     "schedules": "hetero.bench.schedules",
+    "sources": "hetero.bench.sources",
     "throughput": "hetero.bench.throughput",
     "video-memory": "hetero.bench.video_memory",
     "vlm": "hetero.bench.vlm",
@@ -110,10 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="times torchrun restarts every rank after one fails; each restart resumes from the newest checkpoint",
     )
     train.set_defaults(run=_train)
-    data = commands.add_parser("data", help="write datasets to webdataset shards")
-    from hetero.data import digits, genome
+    data = commands.add_parser("data", help="inspect an experiment's data, write an example dataset or the "
+                               "built-in shard sets")
+    from hetero.data import digits, example, genome, inspect
 
     datasets = data.add_subparsers(dest="dataset", required=True)
+    inspect.add_parser(datasets)
+    example.add_parser(datasets)
     digits.add_parser(datasets)
     genome.add_parser(datasets)
     bench = commands.add_parser(

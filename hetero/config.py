@@ -27,6 +27,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hetero.data.config import DataConfig
 from hetero.data.multimodal import Presence
 from hetero.errors import ConfigError
 from hetero.parallel.compression.config import CompressionConfig
@@ -115,7 +116,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100  # held-out evaluation (0: only at the end)
     eval_batches: int = 0  # held-out batches per evaluation (0: the whole held-out split)
-    dataset: str = "digits"  # the samples: a name in hetero.train.datasets.DATASETS
+    data: DataConfig = field(default_factory=DataConfig)  # the samples: a data format and its files (hetero.data.config)
     data_dir: str = "data/digits"  # the digits' webdataset shards; written there on first use
     genome_dir: str = "data/genome"  # a DNA module's genome shards, one set per window length under it
     clip_dir: str = "data/video_clips"  # video clips, one set per shape, counts and seed under it
@@ -242,6 +243,9 @@ def experiment_from_dict(raw: DictConfig | dict) -> ExperimentConfig:
         raise ConfigError(f"train.{err}") from None
     assert isinstance(experiment, ExperimentConfig)
     experiment.modules = modules
+    problems = experiment.train.data.errors()
+    if problems:
+        raise ConfigError("; ".join(problems))
     return experiment
 
 

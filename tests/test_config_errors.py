@@ -471,16 +471,17 @@ def test_a_cycle_is_named():
 def test_the_dataset_must_hold_what_each_module_reads():
     from hetero.train.datasets import check
 
-    experiment = load_experiment("genezip", ["train.dataset=video_clips"])
-    with pytest.raises(ConfigError, match=r"^train\.dataset=video_clips gives the columns clips, revisit, scene, index "
-                                          r"but dna \(kind genezip\) reads dna, dna_regions; choose "
-                                          r"train\.dataset=digits_dna or multimodal or genome$"):
+    experiment = load_experiment("genezip", ["train.data.format=video_clips"])
+    with pytest.raises(ConfigError, match=r"^train\.data\.format=video_clips gives the columns clips, revisit, scene, "
+                                          r"index but dna \(kind genezip\) reads dna, dna_regions; choose "
+                                          r"train\.data\.format=digits_dna or multimodal or genome$"):
         check(experiment, build_graph(experiment))
-    with pytest.raises(ConfigError, match=r"^train\.dataset=imagenet is not a dataset; choose one of digits, digits_dna, "
-                                          r"multimodal, video_clips, genome, stdlib_text, photo_documents$"):
-        check(load_experiment("genezip", ["train.dataset=imagenet"]), build_graph(experiment))
+    with pytest.raises(ConfigError, match=r"^train\.data\.format=imagenet is not a data format; choose one of digits, "
+                                          r"digits_dna, multimodal, video_clips, genome, stdlib_text, photo_documents, "
+                                          r"llava, webdataset, text \(or register yours"):
+        check(load_experiment("genezip", ["train.data.format=imagenet"]), build_graph(experiment))
     vision_alone = graph_with(lambda raw: (raw.pop("llm"), raw.pop("video"), raw.update(edges=[])))
-    with pytest.raises(ConfigError, match=r"train\.dataset=digits sizes its samples by the module that reads tokens; "
+    with pytest.raises(ConfigError, match=r"train\.data\.format=digits sizes its samples by the module that reads tokens; "
                                           r"none of vision does"):
         check(vision_alone, build_graph(vision_alone))
 

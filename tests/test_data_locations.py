@@ -23,10 +23,11 @@ def hetero(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_an_unknown_dataset_stops_layout_and_train_before_any_process(tmp_path):
     for command in ("layout", "train"):
-        done = hetero(command, "colocated_vlm", "train.dataset=foo", cwd=tmp_path)
+        done = hetero(command, "colocated_vlm", "train.data.format=foo", cwd=tmp_path)
         assert done.returncode == 2
-        assert done.stderr == ("hetero: error: train.dataset=foo is not a dataset; choose one of digits, digits_dna, "
-                               "multimodal, video_clips, genome, stdlib_text, photo_documents\n")
+        assert done.stderr == ("hetero: error: train.data.format=foo is not a data format; choose one of digits, "
+                               "digits_dna, multimodal, video_clips, genome, stdlib_text, photo_documents, llava, "
+                               "webdataset, text (or register yours under the entry point group hetero.datasets)\n")
         assert done.stdout == ""  # hetero train prints the torchrun command before it launches: none was
     assert list(tmp_path.iterdir()) == []
 

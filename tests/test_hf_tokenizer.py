@@ -1,4 +1,4 @@
-"""A ``tokenizer.json`` beside an LLM's ``init.hf`` checkpoint drives ``train.dataset=stdlib_text``: the
+"""A ``tokenizer.json`` beside an LLM's ``init.hf`` checkpoint drives ``train.data.format=stdlib_text``: the
 corpus is encoded with it (HF ``tokenizers``) instead of bytes; windows decode back to the corpus's text;
 a tokenizer larger than the model's vocabulary is refused before any process starts."""
 
@@ -28,7 +28,7 @@ def byte_level_bpe(path, vocab_size=300):
 
 def text_experiment(path, seq_len=32):
     block = module("gpt", {"seq_len": seq_len}, {"dp": 1}, init={"hf": str(path)})
-    return experiment(1, {"llm": block}, global_batch=4, microbatches=1, train={"dataset": "stdlib_text"})
+    return experiment(1, {"llm": block}, global_batch=4, microbatches=1, train={"data": {"format": "stdlib_text"}})
 
 
 def test_the_checkpoints_tokenizer_encodes_the_text(tmp_path, monkeypatch):

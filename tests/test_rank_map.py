@@ -6,9 +6,11 @@ import json
 import subprocess
 
 import pytest
+import yaml
 
 from hetero.cli import main
 from hetero.config import CONFIG_DIR
+from hetero.data.example import write_llava
 from layout_oracle import grid_coords, modules_of_yaml
 
 SHIPPED = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
@@ -37,14 +39,26 @@ def hetero(*args):
     return out.getvalue()
 
 
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Overrides that point an experiment on users' files (``hetero layout`` opens them) at an example."""
+    conversations = write_llava(tmp_path_factory.mktemp("example"), 40, seed=0)
+
+    def overrides(config: str) -> list[str]:
+        data = yaml.safe_load((CONFIG_DIR / "experiment" / f"{config}.yaml").read_text()).get("train", {}).get("data", {})
+        return [f"train.data.path={conversations}"] if data.get("format") == "llava" else []
+
+    return overrides
+
+
 def test_every_shipped_experiment_is_checked():
     assert {"homogeneous_vlm", "colocated_vlm", "non_colocated_vlm", "mixed_vlm"} <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("config", SHIPPED)
-def test_table_cells(config):
+def test_table_cells(config, data):
     rows, modules, world_size = expected_rows(config)
-    lines = hetero("layout", config).splitlines()
+    lines = hetero("layout", config, *data(config)).splitlines()
     header = lines.index(next(line for line in lines if line.startswith("rank ")))
     assert lines[header].split() == ["rank", "module", "tp", "cp", "dp", "ep", "pp", "colocated_with"]
     table = [line.split() for line in lines[header + 1 :]]
@@ -53,9 +67,9 @@ def test_table_cells(config):
 
 
 @pytest.mark.parametrize("config", SHIPPED)
-def test_json_cells(config):
+def test_json_cells(config, data):
     rows, modules, world_size = expected_rows(config)
-    description = json.loads(hetero("layout", config, "--json"))
+    description = json.loads(hetero("layout", config, *data(config), "--json"))
     assert description["world_size"] == world_size
     got = [
         [str(r["rank"]), r["module"], str(r["tp"]), str(r["cp"]), str(r["dp"]), str(r["ep"]), str(r["pp"]),

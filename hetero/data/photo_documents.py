@@ -1,4 +1,4 @@
-"""Long packed rows of documents that mix photographs and text: ``train.dataset=photo_documents``.
+"""Long packed rows of documents that mix photographs and text: ``train.data.format=photo_documents``.
 
 A document alternates text and images: a passage of Python's standard-library sources (byte tokens,
 ``hetero.data.text``; the held-out split from its held-out files), then 1-4 photographs (random crops

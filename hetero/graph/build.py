@@ -12,7 +12,7 @@ from hetero.config import ExperimentConfig
 from hetero.errors import ConfigError
 from hetero.graph.graph import Edge, Graph, Node
 from hetero.models import default_registry
-from hetero.kinds.registry import KindRegistry
+from hetero.kinds.registry import KindRegistry, Port
 from hetero.parallel.sharding import Sharding
 from hetero.parallel.placement import Placement, place
 
@@ -178,9 +178,12 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
                 f"{where}: {src.name} hands on width {sent.width} ({src.name}.model.{sent.field or output}) but "
                 f"{dst.name}.model.{taken.field or port_in}={taken.width}; {fix}"
             )
-        if not taken.placeholders and taken.tokens is not None and sent.tokens != taken.tokens:
+        items = _item_errors(where, src, dst, sent, taken, port_in)
+        errors += items
+        if not items and not taken.placeholders and taken.tokens is not None and sent.tokens != taken.tokens:
+            unit = "image" if src.kind.per_item(src.config) else "row"
             errors.append(
-                f"{where}: {src.name} hands on {sent.tokens} tokens per row but {dst.name}'s input {port_in} takes "
+                f"{where}: {src.name} hands on {sent.tokens} tokens per {unit} but {dst.name}'s input {port_in} takes "
                 f"{taken.tokens}; make {dst.name}.model match {src.name}'s {sent.tokens} tokens"
             )
         for module, port, name in ((src, sent, f"output {output}"), (dst, taken, f"input {port_in}")):
@@ -190,12 +193,10 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
                     f"sequence_parallel=false here (got {module.name}.layout.cp={module.layout.cp}, "
                     f"{module.name}.parallel.sequence_parallel={str(module.options.sequence_parallel).lower()})"
                 )
-        routed = sent.tokens is None and src.kind.per_item(src.config)
-        if routed and not taken.placeholders:
-            errors.append(f"{where}: {src.name} hands on each image's own number of tokens, which only placeholders "
-                          f"take; {dst.name}'s input {port_in} has none")
+        routed = src.kind.per_item(src.config) and taken.placeholders
         if routed and config.compression.enabled:
-            errors.append(f"{where}: native-resolution images' tokens travel uncompressed; turn edges[{i}].compression off")
+            errors.append(f"{where}: images' tokens routed to their placeholders travel uncompressed; turn "
+                          f"edges[{i}].compression off")
         if config.compression.enabled and (_splits_sequence(src) or _splits_sequence(dst)):
             errors.append(
                 f"{where}: a compressed edge carries whole sequences; run {src.name} and {dst.name} with cp=1 and "
@@ -217,7 +218,8 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
             )
         errors += config.compression.errors(f"edges[{i}].compression", experiment.train.sample_reuse, sent.width)
         window = (offset, taken.tokens) if taken.placeholders and taken.tokens is not None else None
-        edges.append(Edge(i, src.name, dst.name, output, port_in, sent.tokens or 0, sent.width, taken.placeholders,
+        tokens = 0 if routed else sent.tokens or 0
+        edges.append(Edge(i, src.name, dst.name, output, port_in, tokens, sent.width, taken.placeholders,
                           offset, config.compression, _sharding(src), _sharding(dst, window), routed))
     for node in nodes.values():
         for port, spec in node.kind.inputs(node.config).items():
@@ -226,6 +228,31 @@ def _edges(experiment: ExperimentConfig, nodes: dict[str, Node]) -> tuple[list[E
                 fix = "add an edge into it or configure the model without it" if not feeding else "keep one"
                 errors.append(f"{node.name}: its input {port} takes exactly one edge, got {len(feeding)}; {fix}")
     return edges, errors
+
+
+def _item_errors(where: str, src: Node, dst: Node, sent: Port, taken: Port, port_in: str) -> list[str]:
+    """What an edge into a non-placeholder input cannot carry between modules of items (images, any number
+    per row) and of rows, or of items with their own token counts."""
+    src_items, dst_items = src.kind.per_item(src.config), dst.kind.per_item(dst.config)
+    if taken.placeholders or not (src_items or dst_items):
+        return []
+    if src_items and sent.tokens is None:
+        field = getattr(src.config, "max_patches", None)
+        native = f" ({src.name}.model.max_patches={field})" if field is not None else ""
+        return [f"{where}: {src.name} hands on each image's own number of tokens{native}, which only placeholders "
+                f"take, not {dst.name}'s input {port_in}; route {src.name} straight into placeholders, or give it "
+                f"fixed-size images (max_patches=0, items=true)"]
+    if not dst_items:
+        fix = (f"set {dst.name}.model.items=true" if hasattr(dst.config, "items")
+               else f"feed {src.name} into placeholders")
+        return [f"{where}: {src.name} hands on images as items, any number per row, but {dst.name}'s input {port_in} "
+                f"takes one per row; {fix}"]
+    if not src_items:
+        fix = (f"set {src.name}.model.items=true" if hasattr(src.config, "items")
+               else f"feed {dst.name} from a module of items")
+        return [f"{where}: {dst.name} takes images as items, any number per row, but {src.name} hands on one per row; "
+                f"{fix}"]
+    return []
 
 
 def _splits_sequence(node: Node) -> bool:

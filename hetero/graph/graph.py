@@ -36,9 +36,9 @@ class Edge:
     ``(tokens, width)`` tensor; into placeholders it lands at ``offset`` of the destination's sequence.
     The rows it carries are those both modules process; ``source`` and ``destination`` say how each end
     lays the tensor out (rows over DP, tokens over CP and SP where the module splits its sequence).
-    A ``routed`` edge carries items' tokens (native-resolution images, as many as each has) to their
-    own placeholders in the destination's rows (``hetero.parallel.token_route``); ``tokens`` is 0 and
-    the destination's window is its whole sequence."""
+    A ``routed`` edge carries items' tokens (images, as many as the source's ``Kind.item_tokens`` gives
+    each) to their own placeholders in the destination's rows (``hetero.parallel.token_route``);
+    ``tokens`` is 0 and the destination's window is its whole sequence."""
 
     index: int
     src: str

@@ -163,13 +163,19 @@ class Kind:
         return ()
 
     def per_item(self, config: Any) -> bool:
-        """Whether the module processes items (native-resolution images, the batch's ``image_*`` columns)
-        rather than rows; its DP replicas then split them by ``item_costs``."""
+        """Whether the module processes items (images, any number per row: the batch's ``image_*`` columns,
+        ``image_row`` naming each one's row) rather than rows; its DP replicas then split them by
+        ``item_costs``."""
         return False
 
     def item_costs(self, config: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """(items,) host tensor: each item's work, for balancing the module's DP replicas."""
         raise NotImplementedError
+
+    def item_tokens(self, config: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(items,) host tensor: each item's tokens in the output of a per-item module, which a routed edge
+        takes to the item's placeholders (``image_start`` on in row ``image_row``)."""
+        raise NotImplementedError(f"kind {self.name!r} gives no per-item token counts")
 
     def host_columns(self, config: Any, batch: dict[str, torch.Tensor], keys: Iterable[str],
                      local: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -209,8 +209,8 @@ class Executor:
         if runtime_edge.is_source:
             result = self.outputs.get((edge.src, m))
             src = self.runtime.modules[edge.src]
-            x = (result.outputs[edge.output].detach().float() if result is not None
-                 else torch.zeros(0, edge.width, device=src.device))
+            x = (result.outputs[edge.output].detach().float().reshape(-1, edge.width) if result is not None
+                 else torch.zeros(0, edge.width, device=src.device))  # (items, tokens, width) of fixed-size items
         values, rows, positions = runtime_edge.forward(m, x, runtime_edge.request(self.rows, self.batch, m, self.graph))
         if runtime_edge.is_destination:
             leaf = values.detach().requires_grad_(self.training)
@@ -229,7 +229,8 @@ class Executor:
             if runtime_edge.is_source and (edge.src, m) in self.saved:
                 output = self.saved[(edge.src, m)][1].outputs[edge.output]
                 grads = self.output_grads[(edge.src, m)]
-                grads[edge.output] = grads.get(edge.output, torch.zeros_like(output)) + returned.to(output.dtype)
+                returned = returned.to(output.dtype).view(output.shape)
+                grads[edge.output] = grads.get(edge.output, torch.zeros_like(output)) + returned
             return
         if len(self.rows.edge(edge, m)) == 0:
             return

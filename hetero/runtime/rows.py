@@ -6,10 +6,12 @@ those rows into contiguous runs, earlier replicas taking the extra row. An edge 
 modules process, in order, so each replica on either side holds one contiguous run of them. Every rank
 holds the same global batch and computes the same answer, so all agree on shapes and skipped calls.
 
-A module whose kind works on items (native-resolution images: the batch's ``image_*`` columns, one
-entry per image, ``image_row`` naming the row each belongs to) processes the items of the microbatch's
-rows instead, and its DP replicas split them by cost (an image's patches), not by count
-(``balanced_split``): the most costly first, each onto the replica with the least so far.
+A module whose kind works on items (images: the batch's ``image_*`` columns, one entry per image,
+``image_row`` naming the row each belongs to) processes the items of the microbatch's rows instead, and
+its DP replicas split them by cost (a native-resolution image's patches), not by count
+(``balanced_split``): the most costly first, each onto the replica with the least so far. Items of one
+cost (fixed-size images) split into contiguous runs as rows do, so an edge between two modules of
+items carries them as rows, whatever each side's dp.
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ def balanced_split(costs: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return [torch.tensor(sorted(c), dtype=torch.long, device="cpu") for c in chosen]
 
 
+def item_split(costs: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Indices of ``costs`` over ``parts`` replicas: contiguous runs (earlier parts taking the extra one)
+    where every item costs the same, else ``balanced_split``."""
+    if len(costs) == 0 or bool((costs == costs[0]).all()):
+        every = torch.arange(len(costs), device="cpu")
+        return [every[dp_rows(len(costs), part, parts)] for part in range(parts)]
+    return balanced_split(costs, parts)
+
+
 def presence(batch: dict[str, torch.Tensor], modality: str | None) -> torch.Tensor:
     """(B,) bool: the rows carrying ``modality`` (every row without a modality or without the flag)."""
     size = batch_size(batch)
@@ -68,6 +79,10 @@ class StepRows:
             for name in self.items:
                 self._rows[name] = [torch.nonzero((owner >= s.start) & (owner < s.stop)).flatten() for s in self.spans]
         self._memo: dict[tuple, object] = {}
+        for edge in graph.edges:  # every rank refuses a row edge of items out of order before the step
+            if not edge.routed and self.items.keys() & {edge.src, edge.dst}:
+                for m in range(microbatches):
+                    self.split(edge, m)
 
     def all(self, name: str) -> torch.Tensor:
         """Every global row (or item) module ``name`` processes in the batch."""
@@ -85,8 +100,8 @@ class StepRows:
         if name in self.items:
             key = ("items", name, m)
             if key not in self._memo:
-                self._memo[key] = [rows[part] for part in balanced_split(self.items[name][rows],
-                                                                         self.graph.nodes[name].layout.dp)]
+                self._memo[key] = [rows[part] for part in item_split(self.items[name][rows],
+                                                                     self.graph.nodes[name].layout.dp)]
             return self._memo[key][dp_rank]
         return rows[dp_rows(len(rows), dp_rank, self.graph.nodes[name].layout.dp)]
 
@@ -107,11 +122,17 @@ class StepRows:
         return torch.nonzero(torch.isin(self.local(module, m, dp_rank), self.edge(edge, m))).flatten()
 
     def split(self, edge: Edge, m: int) -> Rows:
-        """Each side's per-replica count of the edge's rows."""
+        """Each side's per-replica count of the edge's rows. A boundary takes each replica's rows as one
+        contiguous run of the edge's, in order: a module of items whose replicas hold them otherwise (items
+        of unequal costs) is refused."""
         key = ("split", edge.index, m)
         if key not in self._memo:
             def counts(module: str) -> tuple[int, ...]:
-                return tuple(len(self.carried(edge, m, module, d)) for d in range(self.graph.nodes[module].layout.dp))
+                held = [self.carried(edge, m, module, d) for d in range(self.graph.nodes[module].layout.dp)]
+                if module in self.items and not torch.equal(torch.cat(held), self.edge(edge, m)):
+                    raise ValueError(f"{edge.name}: {module}'s replicas split the edge's items by unequal costs, out "
+                                     f"of order; a row edge carries items of one cost each (fixed-size images)")
+                return tuple(len(h) for h in held)
 
             self._memo[key] = Rows(counts(edge.src), counts(edge.dst))
         return self._memo[key]

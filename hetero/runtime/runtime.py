@@ -167,7 +167,7 @@ class Runtime:
                       for name, node in self.graph.nodes.items() for column in node.kind.columns(node.config)
                       if column.rows and column.name in batch and len(batch[column.name]) != len(batch[first])]
         if not errors:
-            errors = [error for edge in self.edges.values() if isinstance(edge, RoutedEdge) and "image_grid" in batch
+            errors = [error for edge in self.edges.values() if isinstance(edge, RoutedEdge)
                       for error in edge.batch_errors(batch)]
         if errors:
             raise ValueError("\n".join(errors))

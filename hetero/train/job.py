@@ -41,7 +41,9 @@ def run_identity(experiment: ExperimentConfig, graph: Graph) -> RunIdentity:
             "seed": experiment.seed,
             "batch.global_batch_size": experiment.batch.global_batch_size,
             "train.sample_reuse": experiment.train.sample_reuse,
-            "train.dataset": experiment.train.dataset,
+            "train.data.format": experiment.train.data.format,
+            "train.data.path": experiment.train.data.path,
+            "train.data.mixture": [asdict(source) for source in experiment.train.data.mixture],
             "train.stream_buffer": experiment.train.stream_buffer,
         },
         local={
@@ -111,6 +113,8 @@ def _loop(job: Job, start: int) -> dict[str, float]:
             _skipped(job, step)
         if step % cfg.log_every == 0 or step == cfg.steps:
             speed = {"samples_per_s": experiment.batch.global_batch_size / seconds, "step_s": seconds}
+            if hasattr(train_batches, "skipped"):  # users' samples, under train.data.on_error=skip
+                speed["data/skipped"] = float(train_batches.skipped)
             log.progress(step, metrics | speed | _residuals(runtime) | _compensation(runtime) | expert_routing(runtime),
                          communicator_bytes(runtime))
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:

@@ -63,7 +63,8 @@ class RunLog:
                           f"{metrics[f'expert_dropped.{name}']:.1%}")
         fields = [f"step {step:5d}", f"loss {metrics['loss']:.4f}{_module_losses(metrics)}",
                   f"{metrics['samples_per_s']:7.1f} samples/s", f"{metrics['step_s'] * 1e3:7.1f} ms",
-                  f"grad norm {metrics['grad_norm']:.3f}", traffic, residuals.strip()]
+                  f"grad norm {metrics['grad_norm']:.3f}", traffic, residuals.strip(),
+                  f"data skipped {int(metrics['data/skipped'])}" if metrics.get("data/skipped") else ""]
         print(" | ".join(f for f in fields if f), flush=True)
         if self.wandb is not None:
             self.wandb.log(metrics | {f"bytes/{k}": v for k, v in comm.items()}, step=step)

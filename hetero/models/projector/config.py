@@ -14,6 +14,9 @@ class ProjectorConfig:
     in_size: int = 64  # the encoder's feature width
     out_size: int = 64  # the LLM's width
     tokens: int = 64  # tokens per image, as the encoder hands them on
+    # Images as items (from a tower of items, ``items: true``): any number per row, each ``tokens`` long,
+    # handed on as items (e.g. routed to the LLM's placeholders) rather than one per row.
+    items: bool = False
 
     def errors(self, module: str, layout: Layout, options: ParallelOptions | None = None) -> list[str]:
         errors = shape_errors(module, in_size=self.in_size, out_size=self.out_size, tokens=self.tokens)

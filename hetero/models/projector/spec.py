@@ -5,14 +5,22 @@ Reads no batch columns; input ``features`` (``tokens`` × ``in_size``): one edge
 rows that carry an image; output ``embeddings`` (``tokens`` × ``out_size``), e.g. into the LLM's
 placeholders. It has no loss of its own: it learns from the gradients its consumers return, and returns
 the features' gradients to the tower.
+
+With ``items`` it takes images as items from a tower of items (``vit`` with ``items``): any number per
+row, ``tokens`` each, which it hands on as items (routed to the LLM's placeholders, ``image_row`` from
+``image_start``). It reads no column but ``image_row``, for the item count; its DP replicas split the
+items evenly.
 """
 
 from __future__ import annotations
 
+import torch
+
+from hetero.kinds.columns import INTEGER, Column
+from hetero.kinds.registry import Kind, Port, StageResult, StageStep
 from hetero.models.projector.config import ProjectorConfig
 from hetero.models.projector.model import MLPProjector
 from hetero.models.projector.plan import parallelize_projector
-from hetero.kinds.registry import Kind, Port, StageResult, StageStep
 
 
 class ProjectorKind(Kind):
@@ -27,6 +35,18 @@ class ProjectorKind(Kind):
 
     def parallelize(self, model, mesh, options):
         return parallelize_projector(model, mesh, options)
+
+    def per_item(self, config: ProjectorConfig) -> bool:
+        return config.items
+
+    def item_costs(self, config: ProjectorConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.ones(len(batch["image_row"]), dtype=torch.long, device="cpu")
+
+    def item_tokens(self, config: ProjectorConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.full((len(batch["image_row"]),), config.tokens, dtype=torch.long, device="cpu")
+
+    def columns(self, config: ProjectorConfig) -> tuple[Column, ...]:
+        return (Column("image_row", (), INTEGER, rows=False),) if config.items else ()
 
     def inputs(self, config: ProjectorConfig) -> dict[str, Port]:
         return {"features": Port(config.in_size, tokens=config.tokens, field="in_size")}

@@ -38,6 +38,15 @@ class ViTConfig:
     # Native resolution: > 0 takes images at their own sizes, each at most this many patches, packed
     # (``image_*`` columns); the learned positions (an image_size grid) are interpolated to each image's.
     max_patches: int = 0
+    # Images as items (LLaVA-style: any number per row, each at its own placeholders): ``image_pixels``
+    # (one image_size image per item) with ``image_row`` and ``image_start``. Native resolution takes
+    # items whatever this says.
+    items: bool = False
+
+    @property
+    def per_item(self) -> bool:
+        """Whether the encoder takes images as items (``image_*`` columns) rather than one per row."""
+        return self.items or self.max_patches > 0
 
     @property
     def ffn_size(self) -> int:

@@ -6,7 +6,7 @@ Architectures: ``SiglipVisionModel`` and ``CLIPVisionModel``, and the vision tow
 SigLIP has no class token and a LayerNorm of the last block's output (``post_layernorm``, hetero's
 ``feature_norm``); CLIP has a class token, a LayerNorm before the blocks and no patch bias. Both have a
 key bias, and their activation and LayerNorm eps carry over. The features are per patch, as a LLaVA-style
-VLM takes them: the block ``feature_layer`` (``model.feature_layer``, the one field the YAML sets; -1:
+VLM takes them: the block ``feature_layer`` (``model.feature_layer``, set by the YAML as ``items`` is; -1:
 the last, HF's ``last_hidden_state`` for SigLIP), class token dropped. The projector is a module of its own
 (kind ``projector``).
 
@@ -80,6 +80,7 @@ def vit_config(hf: dict, fields: dict, module: str = "vision") -> ViTConfig:
         class_token=family == "clip", patch_bias=family == "siglip", key_bias=True, pre_norm=family == "clip",
         activation=ACTIVATIONS[act], norm_eps=vision.get("layer_norm_eps", 1e-6 if family == "siglip" else 1e-5),
         feature_norm=family == "siglip" and feature_layer % layers == layers - 1, projector=False,
+        items=fields.get("items", False),
     )
 
 

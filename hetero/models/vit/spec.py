@@ -10,6 +10,11 @@ each at its own size (``hetero.data.native_images``): ``image_patches`` (every i
 after image), ``image_grid`` (each image's height and width in patches); its DP replicas split the
 images by patch count. Its output is each image's tokens, one per patch, which the edge routes to the
 image's placeholders (``image_row``, from ``image_start``) in the consumer's rows.
+
+With ``items`` (LLaVA-style conversations: any number of fixed-size images per row) it reads images
+as items too: ``image_pixels`` (channels × image_size × image_size per image) with ``image_row`` and
+``image_start``; its DP replicas split them (every image costs its ``num_patches``) and its output is
+``num_patches`` tokens per image, to a projector module of items or routed to the placeholders.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ class ViTKind(Kind):
 
         checkpoint = HFCheckpoint(path)
         config = vit_config(checkpoint.config, fields, module)
-        self.check_given(module, config, fields, {"feature_layer"})
+        self.check_given(module, config, fields, {"feature_layer", "items"})
         check_weights(checkpoint, config, module)
         return config
 
@@ -55,13 +60,21 @@ class ViTKind(Kind):
         return load_vit(model, path)
 
     def data_keys(self, config: ViTConfig) -> tuple[str, ...]:
-        return ("image_patches", "image_grid") if config.max_patches else ("images",)
+        if config.max_patches:
+            return ("image_patches", "image_grid")
+        return ("image_pixels",) if config.items else ("images",)
 
     def per_item(self, config: ViTConfig) -> bool:
-        return config.max_patches > 0
+        return config.per_item
 
     def item_costs(self, config: ViTConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return batch["image_grid"].cpu().prod(1)
+        """Each image's patches."""
+        return self.item_tokens(config, batch)
+
+    def item_tokens(self, config: ViTConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if config.max_patches:
+            return batch["image_grid"].cpu().prod(1)
+        return torch.full((len(batch["image_pixels"]),), config.num_patches, dtype=torch.long, device="cpu")
 
     def host_columns(self, config, batch, keys, local):
         if not config.max_patches:
@@ -73,20 +86,32 @@ class ViTKind(Kind):
         return {"image_patches": batch["image_patches"][patches], "image_grid": batch["image_grid"][local]}
 
     def columns(self, config: ViTConfig) -> tuple[Column, ...]:
-        if not config.max_patches:
-            side = Dim("image_size", config.image_size)
-            return (Column("images", (Dim("channels", config.channels), side, side), FLOATING),)
+        side = Dim("image_size", config.image_size)
+        image = (Dim("channels", config.channels), side, side)
+        if not config.per_item:
+            return (Column("images", image, FLOATING),)
         items = dict(dtype=INTEGER, rows=False)
+        places = (Column("image_row", (), **items), Column("image_start", (), **items))
+        if not config.max_patches:
+            return (Column("image_pixels", image, FLOATING, rows=False),) + places
         return (Column("image_patches", (Dim("patch values"),), FLOATING, rows=False),
-                Column("image_grid", (Dim("", 2),), **items), Column("image_row", (), **items),
-                Column("image_start", (), **items))
+                Column("image_grid", (Dim("", 2),), **items)) + places
 
     def batch_errors(self, module: str, config: ViTConfig, batch: dict[str, torch.Tensor]) -> list[str]:
-        missing = [c.name for c in self.columns(config) if c.name not in batch] if config.max_patches else []
-        if missing:
+        missing = [c.name for c in self.columns(config) if c.name not in batch] if config.per_item else []
+        if missing and config.max_patches:
             return [f"{module}: native-resolution images (max_patches={config.max_patches}) need the batch columns "
                     f"{', '.join(missing)} (hetero.data.native_images.image_columns)"]
+        if missing:
+            return [f"{module}: images as items ({module}.model.items=true) need the batch columns "
+                    f"{', '.join(missing)}: per image its pixels, its row and its first placeholder's position"]
         errors = super().batch_errors(module, config, batch)
+        if errors or not config.per_item:
+            return errors
+        counted = "image_grid" if config.max_patches else "image_pixels"
+        images = len(batch[counted])
+        errors = [f"{module}: the batch holds {images} images ({counted}) but {len(batch[key])} {key} entries; give "
+                  f"every image one" for key in ("image_row", "image_start") if len(batch[key]) != images]
         if errors or not config.max_patches:
             return errors
         sizes = batch["image_grid"].cpu().prod(1)
@@ -115,7 +140,8 @@ class ViTKind(Kind):
         if step.config.max_patches:
             grids = [tuple(g) for g in step.host["image_grid"].tolist()]
             return StageResult(outputs={"embeddings": model(step.data["image_patches"], grids)})
-        out = model(step.data["images"] if step.mesh.is_first_stage else step.activation)
+        images = step.data["image_pixels" if step.config.items else "images"]
+        out = model(images if step.mesh.is_first_stage else step.activation)
         if not step.mesh.is_last_stage:
             return StageResult(activation=out)
         return StageResult(outputs={"embeddings": out})

@@ -1,0 +1,216 @@
+"""Conversations to token ids, with a loss only on the assistant's turns and image placeholders expanded.
+
+A conversation is a sequence of ``Turn``s (role ``system``, ``user`` or ``assistant``); an ``<image>`` marker
+in a turn's content stands for one image. Image k becomes ``image_tokens[k]`` copies of the image token
+(the vision module decides how many), counted in order across all turns.
+
+With a Hugging Face tokenizer that has a ``chat_template`` the ids are exactly those of
+``tokenizer.apply_chat_template(messages, tokenize=True)`` for the turns with their markers expanded. The
+rendered text is tokenized with its character offsets, and a token carries the loss when any of its
+characters lies in an assistant span. The span of assistant turn k runs from the end of
+``render(turns[:k], add_generation_prompt=True)`` (its header, e.g. ``<|im_start|>assistant\\n``) to the
+last non-whitespace character of ``render(turns[:k + 1])``: the content and the template's end-of-turn text
+(``<|im_end|>``), without the whitespace that separates turns. Each prefix must render as a prefix of the
+whole conversation, so a template that rewrites earlier turns is refused, and so is an assistant turn
+first (there is no earlier turn to render its header after).
+
+Without a chat template (and always for byte tokens, UTF-8 bytes with a vocabulary of 256) the plain
+template renders each turn as ``"<|{role}|>\\n{content}{close}"``, where ``close`` is ``"\\n"``, except
+for assistant turns when the tokenizer has an eos token: then it is the eos text and ``"\\n"``. The loss
+is on each assistant content and the eos text that closes it (not the ``"\\n"`` after), or without eos
+(bytes) on the content and its closing ``"\\n"``. E.g. bytes: ``"<|user|>\\nHi\\n<|assistant|>\\nHello\\n"``
+with the loss on ``"Hello\\n"``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hetero.data.digits import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "IMAGE_MARKER", "ROLES", "ChatTokenizer", "EncodedChat", "Turn"]
+
+ROLES = ("system", "user", "assistant")
+IMAGE_MARKER = "<image>"
+BYTE_IMAGE_TOKEN = 0  # NUL: never in ordinary text
+BYTE_VOCAB_SIZE = 256
+_KNOWN_IMAGE_TOKENS = ("<image>", "<|image_pad|>", "<IMG_CONTEXT>")
+Span = tuple[int, int]  # [start, end) in characters of the rendered text
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message of a conversation; ``content`` may hold ``IMAGE_MARKER`` where an image stands."""
+
+    role: str
+    content: str
+
+
+@dataclass
+class EncodedChat:
+    """Token ids, which of them carry a loss, and where each image's placeholder run starts."""
+
+    tokens: list[int]
+    assistant: list[bool]
+    image_starts: list[int]
+
+
+class ChatTokenizer:
+    """Encodes conversations with the Hugging Face tokenizer in ``tokenizer_dir``, or as bytes (``None``)."""
+
+    def __init__(self, tokenizer_dir: str | os.PathLike | None, image_token: str | None = None) -> None:
+        self._tokenizer: Any = None
+        self._image_text = "\0"
+        self.vocab_size = BYTE_VOCAB_SIZE
+        self.image_token_id = BYTE_IMAGE_TOKEN
+        self.eos_id: int | None = None
+        self.templated = False
+        if tokenizer_dir is None:
+            if image_token is not None:
+                raise ValueError(f"image_token={image_token!r} needs a tokenizer: byte tokens use id 0 (NUL)")
+            return
+        from transformers import AutoTokenizer  # late: the byte path needs no transformers
+
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir), local_files_only=True)
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(f"{tokenizer_dir}: a fast tokenizer (tokenizer.json) is needed for offsets")
+        self._tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self._image_text, self.image_token_id = self._find_image_token(image_token, tokenizer_dir)
+        self.eos_id = tokenizer.eos_token_id
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+
+    def _find_image_token(self, image_token: str | None, where: str | os.PathLike) -> tuple[str, int]:
+        """The image token's text and id: the one asked for, else the tokenizer's own."""
+        tokenizer = self._tokenizer
+        if image_token is not None:
+            ids = self.encode_text(image_token * 3)
+            if len(ids) != 3 or len(set(ids)) != 1:  # repeated, it must stay one id per copy
+                raise ValueError(f"image_token {image_token!r} is not one token of the tokenizer in {where}")
+            return image_token, ids[0]
+        vocab = tokenizer.get_vocab()
+        own = getattr(tokenizer, "image_token", None)  # e.g. from extra_special_tokens={"image_token": ...}
+        for text in ([str(own)] if own is not None else []) + list(_KNOWN_IMAGE_TOKENS):
+            if text in vocab:
+                return text, vocab[text]
+        raise ValueError(
+            f"the tokenizer in {where} has no image token (none of {', '.join(_KNOWN_IMAGE_TOKENS)}): "
+            "add one to the tokenizer as a special token or pass image_token"
+        )
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain text, without added special tokens (bytes: its UTF-8 bytes)."""
+        if self._tokenizer is None:
+            return list(text.encode("utf-8"))
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Text of token ids, special tokens included (bytes: invalid UTF-8 becomes U+FFFD)."""
+        if self._tokenizer is None:
+            return bytes(tokens).decode("utf-8", errors="replace")
+        return self._tokenizer.decode(list(tokens), skip_special_tokens=False)
+
+    def encode_chat(self, turns: Sequence[Turn], image_tokens: Sequence[int]) -> EncodedChat:
+        """Token ids of ``turns`` with a loss mask on the assistant's turns (see the module docstring)."""
+        if not turns:
+            raise ValueError("a conversation needs at least one turn; got none")
+        for turn in turns:
+            if turn.role not in ROLES:
+                raise ValueError(f"unknown role {turn.role!r}; a turn's role is one of {', '.join(ROLES)}")
+        markers = sum(turn.content.count(IMAGE_MARKER) for turn in turns)
+        if markers != len(image_tokens):
+            raise ValueError(
+                f"the conversation has {markers} {IMAGE_MARKER} markers but image_tokens has "
+                f"{len(image_tokens)} counts"
+            )
+        if any(count < 1 for count in image_tokens):
+            raise ValueError(f"each image needs at least one placeholder token; got {list(image_tokens)}")
+        contents = self._expand_images(turns, image_tokens)
+        render = self._render_templated if self.templated else self._render_plain
+        text, spans = render(turns, contents)
+        tokens, offsets = self._tokenize(text)
+        assistant = [any(start < stop and end > begin for begin, stop in spans) for start, end in offsets]
+        return EncodedChat(tokens, assistant, self._image_starts(tokens, image_tokens))
+
+    def _expand_images(self, turns: Sequence[Turn], image_tokens: Sequence[int]) -> list[str]:
+        """Each turn's content with image k's marker replaced by ``image_tokens[k]`` image-token texts."""
+        counts = iter(image_tokens)
+        contents = []
+        for turn in turns:
+            pieces = turn.content.split(IMAGE_MARKER)
+            expanded = pieces[0]
+            for piece in pieces[1:]:
+                expanded += self._image_text * next(counts) + piece
+            contents.append(expanded)
+        return contents
+
+    def _render_templated(self, turns: Sequence[Turn], contents: list[str]) -> tuple[str, list[Span]]:
+        """The tokenizer's chat template rendering and the character span of each assistant turn."""
+        messages = [{"role": turn.role, "content": content} for turn, content in zip(turns, contents)]
+
+        def render(upto: int, prompt: bool = False) -> str:
+            return self._tokenizer.apply_chat_template(
+                messages[:upto], tokenize=False, add_generation_prompt=prompt
+            )
+
+        text = render(len(messages))
+        spans = []
+        for k, turn in enumerate(turns):
+            if turn.role != "assistant":
+                continue
+            if k == 0:
+                raise ValueError("the first turn is the assistant's: the chat template needs an earlier turn "
+                                 "to locate the assistant header after")
+            header, whole = render(k, prompt=True), render(k + 1)
+            if not (whole.startswith(header) and text.startswith(whole)):
+                raise ValueError(
+                    f"the tokenizer's chat template does not render turns[:{k}] as a prefix of the whole "
+                    "conversation (it changes earlier text), so assistant turns cannot be located"
+                )
+            spans.append((len(header), len(whole.rstrip())))
+        return text, spans
+
+    def _render_plain(self, turns: Sequence[Turn], contents: list[str]) -> tuple[str, list[Span]]:
+        """The plain template's rendering and the character span of each assistant turn."""
+        eos = self._tokenizer.eos_token if self._tokenizer is not None else None
+        text, spans = "", []
+        for turn, content in zip(turns, contents):
+            text += f"<|{turn.role}|>\n"
+            if turn.role != "assistant":
+                text += content + "\n"
+                continue
+            start = len(text)
+            text += content + (eos or "\n")
+            spans.append((start, len(text)))
+            if eos:
+                text += "\n"
+        return text, spans
+
+    def _tokenize(self, text: str) -> tuple[list[int], list[Span]]:
+        """Token ids of rendered text and each token's character span in it."""
+        if self._tokenizer is None:
+            tokens, offsets = [], []
+            for index, char in enumerate(text):
+                for byte in char.encode("utf-8"):
+                    tokens.append(byte)
+                    offsets.append((index, index + 1))
+            return tokens, offsets
+        encoding = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoding["input_ids"]), [tuple(pair) for pair in encoding["offset_mapping"]]
+
+    def _image_starts(self, tokens: list[int], image_tokens: Sequence[int]) -> list[int]:
+        """Where each image's run starts: image k's begins at image id number ``sum(image_tokens[:k])``."""
+        positions = [i for i, token in enumerate(tokens) if token == self.image_token_id]
+        if len(positions) != sum(image_tokens):
+            raise ValueError(
+                f"the encoded conversation has {len(positions)} image tokens (id {self.image_token_id}) but "
+                f"image_tokens asks for {sum(image_tokens)}: does the text itself contain the image token?"
+            )
+        starts, seen = [], 0
+        for count in image_tokens:
+            starts.append(positions[seen])
+            seen += count
+        return starts

@@ -1,0 +1,191 @@
+"""Samples into the rows a graph reads: tokenized by the LLM's tokenizer, images preprocessed for the
+vision module, one sample per row.
+
+A conversation becomes its chat-template tokens (``hetero.data.chat``), each ``<image>`` the
+placeholder tokens of its image: the vision module's ``num_patches`` for a fixed-size encoder, or the
+image's own patch grid at native resolution (``max_patches``). Labels are the next tokens where those
+are the assistant's, ``IGNORE_INDEX`` elsewhere. A sample longer than the LLM's ``seq_len`` follows
+``train.data.too_long``: error, truncate (images past the cut are dropped with their placeholders) or
+skip. Rows are padded to ``seq_len``; a skipped sample leaves an empty row (no loss, no image).
+
+Columns: ``tokens``, ``labels`` (rows, seq_len), ``index`` (rows,) the samples' stream positions, and
+the vision module's items: ``image_pixels`` (images, channels, size, size) for a fixed-size encoder
+(``model.items``), ``image_patches``/``image_grid`` at native resolution, with ``image_row`` and
+``image_start`` (the row and the first placeholder of each image).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hetero.data.chat import ChatTokenizer
+from hetero.data.digits import IGNORE_INDEX
+from hetero.data.images import ImageError, ImagePipeline
+from hetero.data.native_images import patchify
+from hetero.data.samples import Sample, SampleError
+from hetero.errors import ConfigError
+from hetero.graph.graph import Graph, Node
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class SampleSkipped(Exception):
+    """A sample ``too_long: skip`` leaves out."""
+
+
+@dataclass
+class Document:
+    """One sample as a row's content: next-token pairs and its images (first placeholder, pixels)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    images: list[tuple[int, torch.Tensor]]
+
+
+def readers(graph: Graph) -> tuple[Node, Node | None]:
+    """The LLM (the module reading ``tokens``) and the vision module reading image items, if any."""
+    llm = next((n for n in graph.nodes.values() if "tokens" in n.kind.data_keys(n.config)), None)
+    if llm is None:
+        raise ConfigError(f"conversations and captions train a module that reads tokens; none of "
+                          f"{', '.join(graph.nodes)} does (add an LLM, e.g. kind gpt)")
+    vision = None
+    for node in graph.nodes.values():
+        keys = node.kind.data_keys(node.config)
+        if "images" in keys:
+            raise ConfigError(f"{node.name} reads one image per row at fixed positions; users' samples hold any "
+                              f"number of images anywhere in the text: set {node.name}.model.items=true")
+        if "image_pixels" in keys or "image_patches" in keys:
+            vision = node
+    return llm, vision
+
+
+def tokenizer_dir(llm: Node) -> Path | None:
+    """The LLM's ``init.hf`` directory when it holds a tokenizer (else bytes)."""
+    hf = llm.settings.init.hf
+    if hf is not None and any((Path(hf) / name).is_file() for name in TOKENIZER_FILES):
+        return Path(hf)
+    return None
+
+
+def image_pipeline(vision: Node) -> ImagePipeline:
+    """The vision module's preprocessing: its checkpoint's ``preprocessor_config.json`` when imported
+    with one, else from its config (``ImagePipeline.for_vision``)."""
+    config, hf = vision.config, vision.settings.init.hf
+    native = dict(patch_size=config.patch_size, max_patches=config.max_patches) if config.max_patches else {}
+    if hf is not None and (Path(hf) / "preprocessor_config.json").is_file():
+        pipeline = dataclasses.replace(ImagePipeline.from_hf(hf), **native)
+        size = pipeline.crop or pipeline.size
+        if not config.max_patches and tuple(size) != (config.image_size, config.image_size):
+            raise ConfigError(f"{vision.name}: {hf}/preprocessor_config.json makes {size[0]}×{size[1]} images but "
+                              f"{vision.name}.model.image_size={config.image_size}")
+        return pipeline
+    return ImagePipeline.for_vision(config.image_size, config.channels, config.patch_size, config.max_patches)
+
+
+class Shaper:
+    """Samples to documents and documents to batches, for one graph."""
+
+    def __init__(self, graph: Graph, image_token: str | None, too_long: str):
+        self.llm, self.vision = readers(graph)
+        self.seq_len, self.too_long = self.llm.config.seq_len, too_long
+        self.tokenizer = ChatTokenizer(tokenizer_dir(self.llm), image_token)
+        vocab = self.llm.config.vocab_size
+        if self.tokenizer.vocab_size > vocab:
+            raise ConfigError(f"{self.llm.name}'s tokenizer has {self.tokenizer.vocab_size} tokens, more than "
+                              f"{self.llm.name}.model.vocab_size={vocab}; raise it to {self.tokenizer.vocab_size}")
+        self.pipeline = image_pipeline(self.vision) if self.vision is not None else None
+        self.pad_id = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
+
+    def image_tokens(self, image: torch.Tensor) -> int:
+        config = self.vision.config
+        if config.max_patches:
+            return (image.shape[1] // config.patch_size) * (image.shape[2] // config.patch_size)
+        return config.num_patches
+
+    def images(self, sample: Sample) -> list[torch.Tensor]:
+        if sample.images and self.pipeline is None:
+            raise SampleError(f"{sample.where}: it holds {len(sample.images)} images but no module of the graph "
+                              f"reads images")
+        out = []
+        for ref in sample.images:
+            try:
+                out.append(self.pipeline(self.pipeline.decode(ref.read(sample.where), f"{sample.where} image {ref.name}")))
+            except ImageError as err:
+                raise SampleError(str(err)) from None
+        return out
+
+    def encode(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]:
+        """The sample's tokens, their next-token labels (one fewer) and its images at their first
+        placeholders, whatever its length; ``SampleError`` if it is bad."""
+        sample.check()
+        images = self.images(sample)
+        try:
+            encoded = self.tokenizer.encode_chat(sample.turns, [self.image_tokens(i) for i in images])
+        except ValueError as err:
+            raise SampleError(f"{sample.where}: {err}") from None
+        tokens = torch.tensor(encoded.tokens, dtype=torch.long)
+        supervised = torch.tensor(encoded.assistant, dtype=torch.bool)
+        labels = torch.where(supervised[1:], tokens[1:], IGNORE_INDEX)
+        return tokens, labels, list(zip(encoded.image_starts, images))
+
+    def document(self, sample: Sample) -> Document:
+        """``sample`` tokenized, its images preprocessed; ``SampleError`` if it is bad, ``SampleSkipped``
+        if it is too long under ``too_long: skip``."""
+        tokens, labels, placed = self.encode(sample)
+        length = len(tokens) - 1
+        if length > self.seq_len:
+            if self.too_long == "error":
+                raise SampleError(f"{sample.where}: {length} positions with its images' placeholders, more than "
+                                  f"{self.llm.name}.model.seq_len={self.seq_len}; raise it, or set "
+                                  f"train.data.too_long=truncate or skip")
+            if self.too_long == "skip":
+                raise SampleSkipped(sample.where)
+            cut = self.seq_len
+            for start, image in placed:  # never through an image: cut before it
+                if start < cut < start + self.image_tokens(image):
+                    cut = start
+            placed = [(s, i) for s, i in placed if s + self.image_tokens(i) <= cut]
+            tokens, labels = tokens[:cut + 1], labels[:cut]
+        return Document(tokens[:-1], labels, placed)
+
+    def empty(self) -> Document:
+        return Document(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [])
+
+    def batch(self, documents: list[Document], index: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, length = len(documents), self.seq_len
+        tokens = torch.full((rows, length), self.pad_id, dtype=torch.long)
+        labels = torch.full((rows, length), IGNORE_INDEX, dtype=torch.long)
+        row_of, starts, images = [], [], []
+        for r, doc in enumerate(documents):
+            tokens[r, : len(doc.tokens)], labels[r, : len(doc.labels)] = doc.tokens, doc.labels
+            for start, image in doc.images:
+                row_of.append(r)
+                starts.append(start)
+                images.append(image)
+        batch = {"tokens": tokens, "labels": labels, "index": index.long()}
+        if self.vision is None:
+            return batch
+        return batch | self._items(images) | {"image_row": torch.tensor(row_of, dtype=torch.long),
+                                              "image_start": torch.tensor(starts, dtype=torch.long)}
+
+    def _items(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        config = self.vision.config
+        if not config.max_patches:
+            size = config.image_size
+            return {"image_pixels": torch.stack(images) if images else torch.zeros(0, config.channels, size, size)}
+        p = config.patch_size
+        grids = [(i.shape[1] // p, i.shape[2] // p) for i in images]
+        patches = [patchify(i, p) for i in images]
+        return {"image_patches": torch.cat(patches) if patches else torch.zeros(0, config.channels * p * p),
+                "image_grid": torch.tensor(grids, dtype=torch.long).reshape(-1, 2)}
+
+    def columns(self) -> tuple[str, ...]:
+        held = ("tokens", "labels", "index")
+        if self.vision is None:
+            return held
+        items = ("image_pixels",) if not self.vision.config.max_patches else ("image_patches", "image_grid")
+        return held + items + ("image_row", "image_start")

@@ -1,0 +1,27 @@
+"""Several sources at once (``train.data.mixture``): samples of users' formats drawn by weight, in an
+order that depends only on the seed (``hetero.data.sample_batches``)."""
+
+from __future__ import annotations
+
+from hetero.config import ExperimentConfig
+from hetero.data.sample_batches import SampleBatches
+from hetero.data.sources.registry import data_format
+from hetero.data.sources.sample_format import SampleFormat
+from hetero.graph.graph import Graph
+
+
+def mixture_errors(experiment: ExperimentConfig, graph: Graph) -> list[str]:
+    return [f"train.data.mixture[{i}].format={source.format} gives whole batches, not samples; a mixture draws "
+            f"samples of formats such as llava and webdataset"
+            for i, source in enumerate(experiment.train.data.mixture)
+            if not isinstance(data_format(source.format), SampleFormat)]
+
+
+def mixture_batches(experiment: ExperimentConfig, graph: Graph, split: str) -> SampleBatches:
+    """The mixture's batches of ``split``: each source's own split, drawn by its weight."""
+    data = experiment.train.data
+    formats = [data_format(source.format) for source in data.mixture]
+    sources = [fmt.split(experiment, source, split) for fmt, source in zip(formats, data.mixture)]
+    return SampleBatches(sources, [source.weight for source in data.mixture], formats[0].shaper(experiment, graph),
+                         split, experiment.batch.global_batch_size, experiment.seed, data.on_error,
+                         data.max_skip_fraction)

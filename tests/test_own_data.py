@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hetero.config import load_experiment
 from hetero.data.chat import ChatTokenizer
@@ -189,3 +190,74 @@ def test_jsonl_records_and_json_captions_and_globs_read_as_their_json_and_txt_tw
     as_json = batches(*webdataset, f"train.data.path={tmp_path}/captions-*.tar").batch(0)
     as_txt = batches(*webdataset, f"train.data.path={shards[0]}").batch(0)
     assert as_json["tokens"].equal(as_txt["tokens"]) and as_json["labels"].equal(as_txt["labels"])
+
+
+def test_packed_conversations_fill_rows_with_documents_planned_from_text_and_headers(data):
+    llava, _ = data
+    packed = batches(f"train.data.path={llava}", "train.data.pack=true", "llm.model.seq_len=384")
+    single = batches(f"train.data.path={llava}", "llm.model.seq_len=384")
+    batch = packed.batch(0)
+    documents, labels = batch["documents"], batch["labels"]
+    rows = packed._rows(0)
+    assert sum(len(row) for row in rows) >= 48  # samples of 50-190 positions, several to a row of 384
+    for r, row in enumerate(rows):  # each packed sample is the sample's own row, moved to its offset
+        offset = 0
+        for d, place in enumerate(row):
+            document = single._document(place)
+            alone, length = single.shaper.batch([[document]], torch.zeros(1), False), len(document.tokens)
+            assert length == packed._length(place)  # planned from the text and the images' headers
+            assert (documents[r, offset : offset + length] == d).all()
+            assert batch["tokens"][r, offset : offset + length].equal(alone["tokens"][0, :length])
+            assert labels[r, offset : offset + length].equal(alone["labels"][0, :length])
+            offset += length
+        assert (labels[r, offset:] == IGNORE_INDEX).all()
+    starts = batch["image_start"]
+    assert (batch["tokens"][batch["image_row"][:, None], starts[:, None] + torch.arange(PLACEHOLDERS)] == 0).all()
+    seen = [place for step in range(3) for row in packed._rows(step) for place in row]
+    assert len(seen) == len(set(seen))  # a pass serves each sample once
+    assert packed.batch(0)["tokens"].equal(batch["tokens"])
+
+
+NATIVE = """
+name: native
+world_size: 2
+placement: colocated
+batch: {global_batch_size: 8, micro_batch_size: 4}
+vision:
+  kind: vit
+  model: {image_size: 32, patch_size: 8, channels: 3, hidden_size: 32, num_layers: 1, num_heads: 2, out_size: 32,
+          class_token: false, max_patches: 24}
+  layout: {dp: 2}
+llm:
+  kind: gpt
+  model: {vocab_size: 256, hidden_size: 32, num_layers: 1, num_heads: 2, seq_len: 512}
+  layout: {tp: 2}
+  micro_batch_size: 8
+train: {data: {format: llava, path: PATH, pack: true}}
+edges:
+  - {src: vision, dst: llm}
+"""
+
+
+def test_native_resolution_images_keep_their_aspect_and_packing_plans_them_from_headers(data, tmp_path):
+    from hetero.data.images import header_size
+
+    llava, _ = data
+    config = tmp_path / "native.yaml"
+    config.write_text(NATIVE.replace("PATH", str(llava)))
+    experiment = load_experiment(str(config))
+    source = load(experiment, build_graph(experiment), "train")
+    for step in range(3):
+        batch = source.batch(step)
+        grids = batch["image_grid"]
+        assert (grids.prod(1) <= 24).all() and len(set(map(tuple, grids.tolist()))) > 1  # photos of many shapes
+        assert batch["image_patches"].shape == (int(grids.prod(1).sum()), 3 * 8 * 8)
+        for row in source._rows(step):
+            for place in row:
+                sample = source.sources[0].sample(place[1])
+                document = source._document(place)
+                assert len(document.tokens) == source._length(place)
+                for ref, (_, image) in zip(sample.images, document.images):
+                    width, height = header_size(ref.read(sample.where))
+                    rows, cols = image.shape[1] // 8, image.shape[2] // 8
+                    assert abs(cols / rows - width / height) <= max(1 / rows, 1 / cols) * width / height + 0.5

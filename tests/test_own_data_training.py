@@ -1,10 +1,13 @@
 """``hetero train own_data_vlm`` on LLaVA conversations about real images (``hetero data example``): a
 tower and a projector at dp2 on ranks 0-1 and the LLM at tp2 on ranks 2-3, against the same data through
-a colocated layout (all three on ranks 0-1): the same losses, step by step."""
+a colocated layout (all three on ranks 0-1): the same losses, step by step, with one sample a row and
+with samples packed."""
 
 import re
 import subprocess
 import sys
+
+import pytest
 
 from hetero.data.example import write_llava
 
@@ -21,10 +24,12 @@ def losses(tmp_path, *overrides):
     return steps + heldout
 
 
-def test_separate_and_colocated_layouts_train_the_same_on_the_same_conversations(tmp_path):
+@pytest.mark.parametrize("rows", ["one sample a row", "packed"])
+def test_separate_and_colocated_layouts_train_the_same_on_the_same_conversations(tmp_path, rows):
     write_llava(tmp_path / "llava", 400, seed=0)
-    apart = losses(tmp_path)
-    together = losses(tmp_path, "world_size=2", "placement=colocated", "llm.layout.offset=0")
-    print(f"\nlosses (3 steps, then held-out): ranks apart {apart}, colocated {together}")
+    pack = [f"train.data.pack={str(rows == 'packed').lower()}"]
+    apart = losses(tmp_path, *pack)
+    together = losses(tmp_path, *pack, "world_size=2", "placement=colocated", "llm.layout.offset=0")
+    print(f"\n{rows}: losses (3 steps, then held-out): ranks apart {apart}, colocated {together}")
     assert len(apart) == len(together) == 4
     assert all(abs(a - b) <= 2e-4 * abs(a) for a, b in zip(apart, together)), (apart, together)

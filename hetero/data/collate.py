@@ -1,14 +1,16 @@
 """Samples into the rows a graph reads: tokenized by the LLM's tokenizer, images preprocessed for the
-vision module, one sample per row.
+vision module, one sample per row or several packed into one (``train.data.pack``).
 
 A conversation becomes its chat-template tokens (``hetero.data.chat``), each ``<image>`` the
 placeholder tokens of its image: the vision module's ``num_patches`` for a fixed-size encoder, or the
 image's own patch grid at native resolution (``max_patches``). Labels are the next tokens where those
 are the assistant's, ``IGNORE_INDEX`` elsewhere. A sample longer than the LLM's ``seq_len`` follows
 ``train.data.too_long``: error, truncate (images past the cut are dropped with their placeholders) or
-skip. Rows are padded to ``seq_len``; a skipped sample leaves an empty row (no loss, no image).
+skip; ``length`` finds the positions a sample keeps from its text and its images' headers, without
+decoding them, so that samples can be packed before they are read. Rows are padded to ``seq_len``.
 
-Columns: ``tokens``, ``labels`` (rows, seq_len), ``index`` (rows,) the samples' stream positions, and
+Columns: ``tokens``, ``labels`` (rows, seq_len), ``index`` (rows,), ``documents`` (rows, seq_len) for
+packed rows (each position's sample in its row; attention stays inside it), and
 the vision module's items: ``image_pixels`` (images, channels, size, size) for a fixed-size encoder
 (``model.items``), ``image_patches``/``image_grid`` at native resolution, with ``image_row`` and
 ``image_start`` (the row and the first placeholder of each image).
@@ -24,7 +26,7 @@ import torch
 
 from hetero.data.chat import ChatTokenizer
 from hetero.data.digits import IGNORE_INDEX
-from hetero.data.images import ImageError, ImagePipeline
+from hetero.data.images import ImageError, ImagePipeline, header_size
 from hetero.data.native_images import patchify
 from hetero.data.samples import Sample, SampleError
 from hetero.errors import ConfigError
@@ -106,10 +108,13 @@ class Shaper:
             return (image.shape[1] // config.patch_size) * (image.shape[2] // config.patch_size)
         return config.num_patches
 
-    def images(self, sample: Sample) -> list[torch.Tensor]:
+    def _readable(self, sample: Sample) -> None:
         if sample.images and self.pipeline is None:
             raise SampleError(f"{sample.where}: it holds {len(sample.images)} images but no module of the graph "
                               f"reads images")
+
+    def images(self, sample: Sample) -> list[torch.Tensor]:
+        self._readable(sample)
         out = []
         for ref in sample.images:
             try:
@@ -132,41 +137,78 @@ class Shaper:
         labels = torch.where(supervised[1:], tokens[1:], IGNORE_INDEX)
         return tokens, labels, list(zip(encoded.image_starts, images))
 
+    def _counts(self, sample: Sample) -> list[int]:
+        """Each image's placeholders, from the image files' headers (no pixel is decoded)."""
+        self._readable(sample)
+        config = self.vision.config if self.vision is not None else None
+        if config is None or not config.max_patches:
+            return [config.num_patches] * len(sample.images) if config is not None else []
+        counts = []
+        for ref in sample.images:
+            size = header_size(ref.read(sample.where))
+            if size is None:
+                raise SampleError(f"{sample.where} image {ref.name}: not a readable image (its header)")
+            height, width = self.pipeline.output_size(size[1], size[0])
+            counts.append((height // config.patch_size) * (width // config.patch_size))
+        return counts
+
+    def _fit(self, where: str, length: int, images: list[tuple[int, int]]) -> int:
+        """Positions the sample keeps under ``too_long`` (``images``: first placeholder, count)."""
+        if length <= self.seq_len:
+            return length
+        if self.too_long == "error":
+            raise SampleError(f"{where}: {length} positions with its images' placeholders, more than "
+                              f"{self.llm.name}.model.seq_len={self.seq_len}; raise it, or set "
+                              f"train.data.too_long=truncate or skip")
+        if self.too_long == "skip":
+            raise SampleSkipped(where)
+        cut = self.seq_len
+        for start, count in images:  # never through an image: cut before it
+            if start < cut < start + count:
+                cut = start
+        return cut
+
+    def length(self, sample: Sample) -> int:
+        """The positions ``sample``'s document takes, from its text and its images' headers (for packing)."""
+        sample.check()
+        counts = self._counts(sample)
+        try:
+            encoded = self.tokenizer.encode_chat(sample.turns, counts)
+        except ValueError as err:
+            raise SampleError(f"{sample.where}: {err}") from None
+        return self._fit(sample.where, len(encoded.tokens) - 1, list(zip(encoded.image_starts, counts)))
+
     def document(self, sample: Sample) -> Document:
         """``sample`` tokenized, its images preprocessed; ``SampleError`` if it is bad, ``SampleSkipped``
         if it is too long under ``too_long: skip``."""
         tokens, labels, placed = self.encode(sample)
-        length = len(tokens) - 1
-        if length > self.seq_len:
-            if self.too_long == "error":
-                raise SampleError(f"{sample.where}: {length} positions with its images' placeholders, more than "
-                                  f"{self.llm.name}.model.seq_len={self.seq_len}; raise it, or set "
-                                  f"train.data.too_long=truncate or skip")
-            if self.too_long == "skip":
-                raise SampleSkipped(sample.where)
-            cut = self.seq_len
-            for start, image in placed:  # never through an image: cut before it
-                if start < cut < start + self.image_tokens(image):
-                    cut = start
-            placed = [(s, i) for s, i in placed if s + self.image_tokens(i) <= cut]
-            tokens, labels = tokens[:cut + 1], labels[:cut]
-        return Document(tokens[:-1], labels, placed)
+        cut = self._fit(sample.where, len(tokens) - 1, [(s, self.image_tokens(i)) for s, i in placed])
+        placed = [(s, i) for s, i in placed if s + self.image_tokens(i) <= cut]
+        return Document(tokens[:cut], labels[:cut], placed)
 
     def empty(self) -> Document:
         return Document(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [])
 
-    def batch(self, documents: list[Document], index: torch.Tensor) -> dict[str, torch.Tensor]:
-        rows, length = len(documents), self.seq_len
-        tokens = torch.full((rows, length), self.pad_id, dtype=torch.long)
-        labels = torch.full((rows, length), IGNORE_INDEX, dtype=torch.long)
+    def batch(self, rows: list[list[Document]], index: torch.Tensor, packed: bool) -> dict[str, torch.Tensor]:
+        """The columns of ``rows``, each a list of documents laid end to end (``packed``: with ``documents``,
+        each position's document in its row, the padding one of its own)."""
+        length = self.seq_len
+        tokens = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+        documents = torch.zeros(len(rows), length, dtype=torch.long)
         row_of, starts, images = [], [], []
-        for r, doc in enumerate(documents):
-            tokens[r, : len(doc.tokens)], labels[r, : len(doc.labels)] = doc.tokens, doc.labels
-            for start, image in doc.images:
-                row_of.append(r)
-                starts.append(start)
-                images.append(image)
-        batch = {"tokens": tokens, "labels": labels, "index": index.long()}
+        for r, row in enumerate(rows):
+            offset = 0
+            for d, doc in enumerate(row):
+                end = offset + len(doc.tokens)
+                tokens[r, offset:end], labels[r, offset:end], documents[r, offset:end] = doc.tokens, doc.labels, d
+                for start, image in doc.images:
+                    row_of.append(r)
+                    starts.append(offset + start)
+                    images.append(image)
+                offset = end
+            documents[r, offset:] = len(row)
+        batch = {"tokens": tokens, "labels": labels, "index": index.long()} | ({"documents": documents} if packed else {})
         if self.vision is None:
             return batch
         return batch | self._items(images) | {"image_row": torch.tensor(row_of, dtype=torch.long),
@@ -183,8 +225,8 @@ class Shaper:
         return {"image_patches": torch.cat(patches) if patches else torch.zeros(0, config.channels * p * p),
                 "image_grid": torch.tensor(grids, dtype=torch.long).reshape(-1, 2)}
 
-    def columns(self) -> tuple[str, ...]:
-        held = ("tokens", "labels", "index")
+    def columns(self, packed: bool) -> tuple[str, ...]:
+        held = ("tokens", "labels", "index") + (("documents",) if packed else ())
         if self.vision is None:
             return held
         items = ("image_pixels",) if not self.vision.config.max_patches else ("image_patches", "image_grid")

@@ -39,6 +39,7 @@ class DataConfig:
     on_error: str = "error"  # a bad sample: error (name it and stop) | skip (count it, leave its row empty)
     max_skip_fraction: float = 0.01  # skip: the job stops once more than this share of a split is skipped
     too_long: str = "error"  # a sample longer than the LLM's seq_len: error | truncate | skip
+    pack: bool = False  # users' conversations: several to a row (documents), or one a row, padded
     options: dict[str, Any] = field(default_factory=dict)  # a user format's own options
 
     def errors(self) -> list[str]:

@@ -24,4 +24,4 @@ def mixture_batches(experiment: ExperimentConfig, graph: Graph, split: str) -> S
     sources = [fmt.split(experiment, source, split) for fmt, source in zip(formats, data.mixture)]
     return SampleBatches(sources, [source.weight for source in data.mixture], formats[0].shaper(experiment, graph),
                          split, experiment.batch.global_batch_size, experiment.seed, data.on_error,
-                         data.max_skip_fraction)
+                         data.max_skip_fraction, data.pack)

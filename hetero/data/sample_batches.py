@@ -1,17 +1,23 @@
 """Global batches of samples from one source or a weighted mixture, in an order that depends only on
 the seed.
 
-Stream position ``p`` (step ``s`` holds positions ``s·B .. s·B + B - 1``) belongs to a source and to one
-of its samples. With one source, epoch ``e`` serves the source's samples in a permutation drawn from
-``(seed, e)``. A mixture cuts the stream into blocks where each source holds its quota (its weight out
-of ``QUOTA`` positions, at least one), in a seeded order per block; each source's own positions then
-walk through its own epochs. Either way a batch is a function of ``(seed, step)``: the same on every
+Stream position ``p`` belongs to a source and to one of its samples. With one source, epoch ``e``
+serves the source's samples in a permutation drawn from ``(seed, e)``. A mixture cuts the stream into
+blocks where each source holds its quota (its weight out of ``QUOTA`` positions, at least one), in a
+seeded order per block; each source's own positions then walk through its own epochs.
+
+One sample per row: step ``s`` holds positions ``s·B .. s·B + B - 1``. Packed (``train.data.pack``):
+the positions of each pass over the stream (as many as the samples) are laid into rows in order, a row
+closing when the next sample does not fit, planned from each sample's length (its text and its images'
+headers, ``Shaper.length``) before any image is decoded; step ``s`` holds rows ``s·B .. s·B + B - 1`` of
+the passes one after another. Either way a batch is a function of ``(seed, step)``: the same on every
 rank, under any layout, and after a resume.
 
-A bad sample (``SampleError``) stops the job with its message (``on_error: error``), or leaves its row
-empty and is counted (``skip``: ``skipped``, reported as ``data/skipped``); once the skipped samples
-exceed ``max_skip_fraction`` of the split the job stops, naming the last one. The held-out split is
-every held-out sample once, in order, the last batch filled with empty rows.
+A bad sample (``SampleError``) stops the job with its message (``on_error: error``), or is skipped and
+counted once (``skip``: ``skipped``, reported as ``data/skipped``): its row is left empty, or packing
+leaves it out. Once the skipped samples exceed ``max_skip_fraction`` of the split the job stops, naming
+the last one. The held-out split is every held-out sample once, in order, the last batch filled with
+empty rows.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ import hashlib
 
 import torch
 
-from hetero.data.collate import SampleSkipped, Shaper
+from hetero.data.collate import Document, SampleSkipped, Shaper
 from hetero.data.samples import SampleError, SampleSource
 
 QUOTA = 100
+
+Place = tuple[int, int]  # (source, sample index)
 
 
 class DataError(RuntimeError):
@@ -37,18 +45,26 @@ def _seed(*parts: int) -> int:
 
 class SampleBatches:
     def __init__(self, sources: list[SampleSource], weights: list[float], shaper: Shaper, split: str,
-                 global_batch_size: int, seed: int, on_error: str = "error", max_skip_fraction: float = 0.01):
-        self.sources, self.shaper, self.split = sources, shaper, split
+                 global_batch_size: int, seed: int, on_error: str = "error", max_skip_fraction: float = 0.01,
+                 pack: bool = False):
+        self.sources, self.shaper, self.split, self.pack = sources, shaper, split, pack
         self.global_batch_size, self.seed = global_batch_size, seed
         self.on_error, self.max_skip_fraction = on_error, max_skip_fraction
         total = sum(weights)
         self.quotas = [max(1, round(QUOTA * w / total)) for w in weights]
-        self.skipped = 0
+        self.bad: set[Place] = set()
+        self._lengths: dict[Place, int | None] = {}
+        self._passes: dict[int, list[list[Place]]] = {}
+        self._rows_before = [0]  # rows packed from the passes before pass k
         self._heldout: list[dict[str, torch.Tensor]] | None = None
         self._orders: dict[tuple[int, int], torch.Tensor] = {}
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.sources)
+
+    @property
+    def skipped(self) -> int:
+        return len(self.bad)
 
     def _order(self, source: int, epoch: int) -> torch.Tensor:
         key = (source, epoch)
@@ -59,7 +75,7 @@ class SampleBatches:
                 self._orders.pop(next(iter(self._orders)))
         return self._orders[key]
 
-    def locate(self, position: int) -> tuple[int, int]:
+    def locate(self, position: int) -> Place:
         """(source, sample index) of stream position ``position``."""
         if len(self.sources) == 1:
             epoch, offset = divmod(position, len(self.sources[0]))
@@ -72,25 +88,69 @@ class SampleBatches:
         epoch, offset = divmod(count, len(self.sources[source]))
         return source, int(self._order(source, epoch)[offset])
 
-    def _document(self, source: int, index: int):
+    def _skip(self, place: Place, reason: str) -> None:
+        if place in self.bad:
+            return
+        self.bad.add(place)
+        if len(self.bad) > self.max_skip_fraction * len(self):
+            raise DataError(f"{len(self.bad)} samples of the {len(self)} in the {self.split} split were skipped, more "
+                            f"than train.data.max_skip_fraction={self.max_skip_fraction}; the last: {reason}")
+
+    def _guarded(self, place: Place, read):
+        """``read(sample)`` of the sample at ``place``, or None when it is skipped."""
         try:
-            return self.shaper.document(self.sources[source].sample(index))
+            return read(self.sources[place[0]].sample(place[1]))
         except SampleError as err:
             if self.on_error == "error":
                 raise DataError(f"{err} (train.data.on_error=skip skips bad samples)") from None
-            reason = str(err)
+            self._skip(place, str(err))
         except SampleSkipped as skipped:
-            reason = f"{skipped}: longer than the LLM's seq_len (train.data.too_long=skip)"
-        self.skipped += 1
-        if self.skipped > self.max_skip_fraction * len(self):
-            raise DataError(f"{self.skipped} samples of the {len(self)} in the {self.split} split were skipped, more "
-                            f"than train.data.max_skip_fraction={self.max_skip_fraction}; the last: {reason}")
-        return self.shaper.empty()
+            self._skip(place, f"{skipped}: longer than the LLM's seq_len (train.data.too_long=skip)")
+        return None
+
+    def _document(self, place: Place) -> Document:
+        if place in self.bad:
+            return self.shaper.empty()
+        return self._guarded(place, self.shaper.document) or self.shaper.empty()
+
+    def _length(self, place: Place) -> int | None:
+        if place not in self._lengths:
+            self._lengths[place] = self._guarded(place, self.shaper.length)
+        return self._lengths[place]
+
+    def _packed(self, places: list[Place]) -> list[list[Place]]:
+        rows, row, used = [], [], 0
+        for place in places:
+            length = self._length(place)
+            if length is None:
+                continue
+            if used + length > self.shaper.seq_len:
+                rows.append(row)
+                row, used = [], 0
+            row.append(place)
+            used += length
+        return rows + ([row] if row else [])
+
+    def _rows(self, step: int) -> list[list[Place]]:
+        first, size = step * self.global_batch_size, self.global_batch_size
+        if not self.pack:
+            return [[self.locate(p)] for p in range(first, first + size)]
+        while self._rows_before[-1] < first + size:
+            k = len(self._rows_before) - 1
+            self._passes[k] = self._packed([self.locate(p) for p in range(k * len(self), (k + 1) * len(self))])
+            self._rows_before.append(self._rows_before[-1] + len(self._passes[k]))
+        rows = []
+        for row in range(first, first + size):
+            k = next(k for k in range(len(self._rows_before) - 1) if row < self._rows_before[k + 1])
+            rows.append(self._passes[k][row - self._rows_before[k]])
+        for k in [k for k in self._passes if self._rows_before[k + 1] <= first]:
+            del self._passes[k]  # passes behind this step are not read again
+        return rows
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
-        positions = range(step * self.global_batch_size, (step + 1) * self.global_batch_size)
-        documents = [self._document(*self.locate(p)) for p in positions]
-        return self.shaper.batch(documents, torch.tensor(list(positions)))
+        rows = [[self._document(place) for place in row] for row in self._rows(step)]
+        index = step * self.global_batch_size + torch.arange(self.global_batch_size)
+        return self.shaper.batch(rows, index, self.pack)
 
     def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
         if self._heldout is None:  # read once: each evaluation sees (and skips) the same samples
@@ -99,10 +159,10 @@ class SampleBatches:
 
     def _ordered(self) -> list[dict[str, torch.Tensor]]:
         every = [(s, i) for s, source in enumerate(self.sources) for i in range(len(source))]
-        batches = []
-        for first in range(0, len(every), self.global_batch_size):
-            chosen = every[first : first + self.global_batch_size]
-            documents = [self._document(s, i) for s, i in chosen]
-            documents += [self.shaper.empty()] * (self.global_batch_size - len(chosen))
-            batches.append(self.shaper.batch(documents, torch.arange(first, first + self.global_batch_size)))
+        rows = self._packed(every) if self.pack else [[place] for place in every]
+        batches, size = [], self.global_batch_size
+        for first in range(0, len(rows), size):
+            chosen = [[self._document(place) for place in row] for row in rows[first : first + size]]
+            chosen += [[]] * (size - len(chosen))
+            batches.append(self.shaper.batch(chosen, torch.arange(first, first + size), self.pack))
         return batches

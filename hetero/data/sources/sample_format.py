@@ -40,7 +40,7 @@ class SampleFormat(DataFormat):
             raise ConfigError(str(err)) from None
 
     def columns(self, experiment, graph, source) -> tuple[str, ...]:
-        return self.shaper(experiment, graph).columns()
+        return self.shaper(experiment, graph).columns(experiment.train.data.pack)
 
     def open(self, experiment: ExperimentConfig, graph: Graph, source: SourceConfig) -> None:
         """Open the training split and shape its first samples (a bad one is refused unless skipped)."""
@@ -58,4 +58,4 @@ class SampleFormat(DataFormat):
         data = experiment.train.data
         return SampleBatches([self.split(experiment, source, split)], [1.0], self.shaper(experiment, graph), split,
                              experiment.batch.global_batch_size, experiment.seed, data.on_error,
-                             data.max_skip_fraction)
+                             data.max_skip_fraction, data.pack)

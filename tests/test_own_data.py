@@ -261,3 +261,26 @@ def test_native_resolution_images_keep_their_aspect_and_packing_plans_them_from_
                     width, height = header_size(ref.read(sample.where))
                     rows, cols = image.shape[1] // 8, image.shape[2] // 8
                     assert abs(cols / rows - width / height) <= max(1 / rows, 1 / cols) * width / height + 0.5
+
+
+def test_the_sample_index_is_kept_beside_the_data_until_a_file_changes(tmp_path, monkeypatch):
+    import os
+
+    from hetero.data import sample_index
+
+    path = write_llava(tmp_path / "llava", 60, seed=0)
+    first = batches(f"train.data.path={path}", "train.data.pack=true")
+    kept = sorted((tmp_path / "llava" / ".hetero-index").glob("*.pt"))
+    assert len(kept) == 1  # the training split's
+
+    def built(*args):
+        raise AssertionError("the index was built again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sample_index, "build_index", built)
+        again = batches(f"train.data.path={path}", "train.data.pack=true")
+        assert again.batch(1)["tokens"].equal(first.batch(1)["tokens"])
+    image = next((tmp_path / "llava" / "images").glob("digit_*.png"))
+    os.utime(image, ns=(1, 1))  # an image the JSON names changes: a new index
+    batches(f"train.data.path={path}", "train.data.pack=true")
+    assert len(list((tmp_path / "llava" / ".hetero-index").glob("*.pt"))) == 2

@@ -24,9 +24,11 @@ with the loss on ``"Hello\\n"``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hetero.data.digits import IGNORE_INDEX
@@ -68,6 +70,7 @@ class ChatTokenizer:
         self.image_token_id = BYTE_IMAGE_TOKEN
         self.eos_id: int | None = None
         self.templated = False
+        self._files = sorted(Path(tokenizer_dir).glob("*token*")) if tokenizer_dir is not None else []
         if tokenizer_dir is None:
             if image_token is not None:
                 raise ValueError(f"image_token={image_token!r} needs a tokenizer: byte tokens use id 0 (NUL)")
@@ -100,6 +103,13 @@ class ChatTokenizer:
             f"the tokenizer in {where} has no image token (none of {', '.join(_KNOWN_IMAGE_TOKENS)}): "
             "add one to the tokenizer as a special token or pass image_token"
         )
+
+    def fingerprint(self) -> str:
+        """What these tokens depend on: the tokenizer's files and the image token (bytes: nothing)."""
+        digest = hashlib.sha256(self._image_text.encode())
+        for path in self._files:
+            digest.update(path.name.encode() + path.read_bytes())
+        return digest.hexdigest()[:16]
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of plain text, without added special tokens (bytes: its UTF-8 bytes)."""

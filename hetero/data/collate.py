@@ -6,8 +6,8 @@ placeholder tokens of its image: the vision module's ``num_patches`` for a fixed
 image's own patch grid at native resolution (``max_patches``). Labels are the next tokens where those
 are the assistant's, ``IGNORE_INDEX`` elsewhere. A sample longer than the LLM's ``seq_len`` follows
 ``train.data.too_long``: error, truncate (images past the cut are dropped with their placeholders) or
-skip; ``length`` finds the positions a sample keeps from its text and its images' headers, without
-decoding them, so that samples can be packed before they are read. Rows are padded to ``seq_len``.
+skip; ``plan`` finds the positions a sample keeps from its index entry (``hetero.data.sample_index``: its
+text tokens and its images' headers), so that samples can be packed before they are read. Rows are padded to ``seq_len``.
 
 Columns: ``tokens``, ``labels`` (rows, seq_len), ``index`` (rows,), ``documents`` (rows, seq_len) for
 packed rows (each position's sample in its row; attention stays inside it), and
@@ -19,6 +19,7 @@ the vision module's items: ``image_pixels`` (images, channels, size, size) for a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +27,9 @@ import torch
 
 from hetero.data.chat import ChatTokenizer
 from hetero.data.digits import IGNORE_INDEX
-from hetero.data.images import ImageError, ImagePipeline, header_size
+from hetero.data.images import ImageError, ImagePipeline
 from hetero.data.native_images import patchify
+from hetero.data.sample_index import SampleIndex
 from hetero.data.samples import Sample, SampleError
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph, Node
@@ -108,13 +110,10 @@ class Shaper:
             return (image.shape[1] // config.patch_size) * (image.shape[2] // config.patch_size)
         return config.num_patches
 
-    def _readable(self, sample: Sample) -> None:
+    def images(self, sample: Sample) -> list[torch.Tensor]:
         if sample.images and self.pipeline is None:
             raise SampleError(f"{sample.where}: it holds {len(sample.images)} images but no module of the graph "
                               f"reads images")
-
-    def images(self, sample: Sample) -> list[torch.Tensor]:
-        self._readable(sample)
         out = []
         for ref in sample.images:
             try:
@@ -137,52 +136,48 @@ class Shaper:
         labels = torch.where(supervised[1:], tokens[1:], IGNORE_INDEX)
         return tokens, labels, list(zip(encoded.image_starts, images))
 
-    def _counts(self, sample: Sample) -> list[int]:
-        """Each image's placeholders, from the image files' headers (no pixel is decoded)."""
-        self._readable(sample)
-        config = self.vision.config if self.vision is not None else None
-        if config is None or not config.max_patches:
-            return [config.num_patches] * len(sample.images) if config is not None else []
-        counts = []
-        for ref in sample.images:
-            size = header_size(ref.read(sample.where))
-            if size is None:
-                raise SampleError(f"{sample.where} image {ref.name}: not a readable image (its header)")
-            height, width = self.pipeline.output_size(size[1], size[0])
-            counts.append((height // config.patch_size) * (width // config.patch_size))
-        return counts
-
-    def _fit(self, where: str, length: int, images: list[tuple[int, int]]) -> int:
+    def _fit(self, where: Callable[[], str], length: int, images: list[tuple[int, int]]) -> int:
         """Positions the sample keeps under ``too_long`` (``images``: first placeholder, count)."""
         if length <= self.seq_len:
             return length
         if self.too_long == "error":
-            raise SampleError(f"{where}: {length} positions with its images' placeholders, more than "
+            raise SampleError(f"{where()}: {length} positions with its images' placeholders, more than "
                               f"{self.llm.name}.model.seq_len={self.seq_len}; raise it, or set "
                               f"train.data.too_long=truncate or skip")
         if self.too_long == "skip":
-            raise SampleSkipped(where)
+            raise SampleSkipped(where())
         cut = self.seq_len
         for start, count in images:  # never through an image: cut before it
             if start < cut < start + count:
                 cut = start
         return cut
 
-    def length(self, sample: Sample) -> int:
-        """The positions ``sample``'s document takes, from its text and its images' headers (for packing)."""
-        sample.check()
-        counts = self._counts(sample)
-        try:
-            encoded = self.tokenizer.encode_chat(sample.turns, counts)
-        except ValueError as err:
-            raise SampleError(f"{sample.where}: {err}") from None
-        return self._fit(sample.where, len(encoded.tokens) - 1, list(zip(encoded.image_starts, counts)))
+    def placeholders(self, height: int, width: int) -> int:
+        """An image's placeholder tokens, from its size before preprocessing."""
+        config = self.vision.config
+        if not config.max_patches:
+            return config.num_patches
+        rows, cols = self.pipeline.output_size(height, width)
+        return (rows // config.patch_size) * (cols // config.patch_size)
+
+    def plan(self, index: SampleIndex, sample: int, where: Callable[[], str]) -> int:
+        """The positions sample ``sample`` of ``index``'s source keeps, from the index alone (for packing);
+        ``SampleError`` if it is bad, ``SampleSkipped`` if it is too long under ``too_long: skip``."""
+        if sample in index.bad:
+            raise SampleError(index.bad[sample])
+        sizes = index.image_sizes[index.images(sample)].tolist()
+        if sizes and self.vision is None:
+            raise SampleError(f"{where()}: it holds {len(sizes)} images but no module of the graph reads images")
+        counts = [self.placeholders(height, width) for height, width in sizes]
+        text_starts = index.image_text_starts[index.images(sample)].tolist()
+        starts = [start + sum(counts[:k]) for k, start in enumerate(text_starts)]
+        return self._fit(where, int(index.text_tokens[sample]) + sum(counts) - 1, list(zip(starts, counts)))
 
     def document(self, sample: Sample) -> Document:
         """``sample`` tokenized, its images preprocessed; ``SampleError`` if it is bad, ``SampleSkipped``
         if it is too long under ``too_long: skip``."""
         tokens, labels, placed = self.encode(sample)
-        cut = self._fit(sample.where, len(tokens) - 1, [(s, self.image_tokens(i)) for s, i in placed])
+        cut = self._fit(lambda: sample.where, len(tokens) - 1, [(s, self.image_tokens(i)) for s, i in placed])
         placed = [(s, i) for s, i in placed if s + self.image_tokens(i) <= cut]
         return Document(tokens[:cut], labels[:cut], placed)
 

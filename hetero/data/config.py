@@ -41,6 +41,7 @@ class DataConfig:
     too_long: str = "error"  # a sample longer than the LLM's seq_len: error | truncate | skip
     pack: bool = False  # users' conversations: several to a row (documents), or one a row, padded
     options: dict[str, Any] = field(default_factory=dict)  # a user format's own options
+    workers: int = 0  # processes that build the next steps' batches while one trains (0: the loop builds them)
 
     def errors(self) -> list[str]:
         errors = []
@@ -50,6 +51,8 @@ class DataConfig:
             errors.append(f"train.data.too_long={self.too_long!r} is not one of {', '.join(TOO_LONG)}")
         if not 0 <= self.max_skip_fraction <= 1:
             errors.append(f"train.data.max_skip_fraction={self.max_skip_fraction} must lie in [0, 1]")
+        if self.workers < 0:
+            errors.append(f"train.data.workers={self.workers} must be >= 0 (0: the training loop builds its batches)")
         if self.heldout_every < 2:
             errors.append(f"train.data.heldout_every={self.heldout_every} must be at least 2 (every Nth sample held out)")
         for i, source in enumerate(self.mixture):

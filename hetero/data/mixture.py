@@ -21,7 +21,10 @@ def mixture_batches(experiment: ExperimentConfig, graph: Graph, split: str) -> S
     """The mixture's batches of ``split``: each source's own split, drawn by its weight."""
     data = experiment.train.data
     formats = [data_format(source.format) for source in data.mixture]
+    shaper = formats[0].shaper(experiment, graph)
     sources = [fmt.split(experiment, source, split) for fmt, source in zip(formats, data.mixture)]
-    return SampleBatches(sources, [source.weight for source in data.mixture], formats[0].shaper(experiment, graph),
-                         split, experiment.batch.global_batch_size, experiment.seed, data.on_error,
-                         data.max_skip_fraction, data.pack)
+    indexes = [fmt.index(experiment, source, samples, shaper, split)
+               for fmt, source, samples in zip(formats, data.mixture, sources)]
+    return SampleBatches(sources, indexes, [source.weight for source in data.mixture], shaper, split,
+                         experiment.batch.global_batch_size, experiment.seed, data.on_error, data.max_skip_fraction,
+                         data.pack)

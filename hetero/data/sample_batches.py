@@ -8,9 +8,9 @@ seeded order per block; each source's own positions then walk through its own ep
 
 One sample per row: step ``s`` holds positions ``s·B .. s·B + B - 1``. Packed (``train.data.pack``):
 the positions of each pass over the stream (as many as the samples) are laid into rows in order, a row
-closing when the next sample does not fit, planned from each sample's length (its text and its images'
-headers, ``Shaper.length``) before any image is decoded; step ``s`` holds rows ``s·B .. s·B + B - 1`` of
-the passes one after another. Either way a batch is a function of ``(seed, step)``: the same on every
+closing when the next sample does not fit, planned before any image is decoded; step ``s`` holds rows ``s·B .. s·B + B - 1`` of
+the passes one after another. Lengths and bad samples come from each source's index
+(``hetero.data.sample_index``), read once from the samples' text and their images' headers. Either way a batch is a function of ``(seed, step)``: the same on every
 rank, under any layout, and after a resume.
 
 A bad sample (``SampleError``) stops the job with its message (``on_error: error``), or is skipped and
@@ -22,11 +22,13 @@ empty rows.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
 
 from hetero.data.collate import Document, SampleSkipped, Shaper
+from hetero.data.sample_index import SampleIndex
 from hetero.data.samples import SampleError, SampleSource
 
 QUOTA = 100
@@ -44,10 +46,10 @@ def _seed(*parts: int) -> int:
 
 
 class SampleBatches:
-    def __init__(self, sources: list[SampleSource], weights: list[float], shaper: Shaper, split: str,
-                 global_batch_size: int, seed: int, on_error: str = "error", max_skip_fraction: float = 0.01,
-                 pack: bool = False):
-        self.sources, self.shaper, self.split, self.pack = sources, shaper, split, pack
+    def __init__(self, sources: list[SampleSource], indexes: list[SampleIndex], weights: list[float], shaper: Shaper,
+                 split: str, global_batch_size: int, seed: int, on_error: str = "error",
+                 max_skip_fraction: float = 0.01, pack: bool = False):
+        self.sources, self.indexes, self.shaper, self.split, self.pack = sources, indexes, shaper, split, pack
         self.global_batch_size, self.seed = global_batch_size, seed
         self.on_error, self.max_skip_fraction = on_error, max_skip_fraction
         total = sum(weights)
@@ -96,10 +98,10 @@ class SampleBatches:
             raise DataError(f"{len(self.bad)} samples of the {len(self)} in the {self.split} split were skipped, more "
                             f"than train.data.max_skip_fraction={self.max_skip_fraction}; the last: {reason}")
 
-    def _guarded(self, place: Place, read):
-        """``read(sample)`` of the sample at ``place``, or None when it is skipped."""
+    def _guarded(self, place: Place, work):
+        """``work()`` on the sample at ``place``, or None when the sample is skipped."""
         try:
-            return read(self.sources[place[0]].sample(place[1]))
+            return work()
         except SampleError as err:
             if self.on_error == "error":
                 raise DataError(f"{err} (train.data.on_error=skip skips bad samples)") from None
@@ -109,13 +111,17 @@ class SampleBatches:
         return None
 
     def _document(self, place: Place) -> Document:
-        if place in self.bad:
+        if place in self.bad or place[1] in self.indexes[place[0]].bad:
+            self._length(place)  # the index's verdict: raised or counted, as packing would
             return self.shaper.empty()
-        return self._guarded(place, self.shaper.document) or self.shaper.empty()
+        sample = functools.partial(self.sources[place[0]].sample, place[1])
+        return self._guarded(place, lambda: self.shaper.document(sample())) or self.shaper.empty()
 
     def _length(self, place: Place) -> int | None:
         if place not in self._lengths:
-            self._lengths[place] = self._guarded(place, self.shaper.length)
+            source, index = self.sources[place[0]], self.indexes[place[0]]
+            self._lengths[place] = self._guarded(
+                place, lambda: self.shaper.plan(index, place[1], lambda: source.sample(place[1]).where))
         return self._lengths[place]
 
     def _packed(self, places: list[Place]) -> list[list[Place]]:

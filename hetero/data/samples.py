@@ -84,6 +84,10 @@ class SampleSource(Protocol):
 
     def describe(self, index: int) -> SampleInfo: ...
 
+    def files(self) -> list[Path]:
+        """Every file its samples come from (the index is kept while none of them changes)."""
+        ...
+
 
 class Subset:
     """The samples ``indices`` of ``source``: a split cut from one source."""
@@ -100,6 +104,9 @@ class Subset:
 
     def describe(self, index: int) -> SampleInfo:
         return self.source.describe(self.indices[index])
+
+    def files(self) -> list[Path]:
+        return self.source.files()
 
 
 def split_of(source: SampleSource, split: str, heldout_every: int) -> Subset:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.config import ExperimentConfig
+from hetero.data.loader import StepLoader
 from hetero.graph import Graph, build_graph
 from hetero.interop.hf_source import imported_sources
 from hetero.models.gpt.moe import MoEFeedForward
@@ -101,20 +102,25 @@ def _loop(job: Job, start: int) -> dict[str, float]:
     started = time.perf_counter()
     evaluated: dict[str, float] = {}
     metrics = {"loss": math.nan}
-    for step in range(start + 1, cfg.steps + 1):
-        tick = time.perf_counter()
-        batch = train_batches.batch((step - 1) // cfg.sample_reuse)
+    loader = StepLoader(train_batches, start + 1, cfg.steps, cfg.sample_reuse, cfg.data.workers, runtime.device,
+                        experiment.timeout_s)
+    tick, waited, skipped = time.perf_counter(), [], 0  # the first step's time includes starting the workers
+    for step, batch, newly_skipped in loader:
+        waited.append(loader.wait_s)
+        skipped += newly_skipped
         with guard.step(f"step {step}"):
             metrics = runtime.train_step(batch)
         if cfg.sample_log:
             log.samples(step, batch["index"])
-        seconds = time.perf_counter() - tick
+        seconds = time.perf_counter() - tick  # waiting for the batch and training on it
         if not metrics["stepped"]:
             _skipped(job, step)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            speed = {"samples_per_s": experiment.batch.global_batch_size / seconds, "step_s": seconds}
+            speed = {"samples_per_s": experiment.batch.global_batch_size / seconds, "step_s": seconds,
+                     "data_wait_ms": 1e3 * sum(waited) / len(waited)}
+            waited.clear()
             if hasattr(train_batches, "skipped"):  # users' samples, under train.data.on_error=skip
-                speed["data/skipped"] = float(train_batches.skipped)
+                speed["data/skipped"] = float(skipped)
             log.progress(step, metrics | speed | _residuals(runtime) | _compensation(runtime) | expert_routing(runtime),
                          communicator_bytes(runtime))
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
@@ -123,6 +129,7 @@ def _loop(job: Job, start: int) -> dict[str, float]:
             log.evaluation(step, evaluated, time.perf_counter() - started)
         if job.checkpoints.due(step, cfg.steps):
             job.checkpoints.save(runtime, step)
+        tick = time.perf_counter()
     job.checkpoints.close()
     if not evaluated:  # resumed at the last step: nothing left to train
         evaluated = evaluate(runtime, heldout, cfg.eval_batches)

@@ -63,6 +63,8 @@ class RunLog:
                           f"{metrics[f'expert_dropped.{name}']:.1%}")
         fields = [f"step {step:5d}", f"loss {metrics['loss']:.4f}{_module_losses(metrics)}",
                   f"{metrics['samples_per_s']:7.1f} samples/s", f"{metrics['step_s'] * 1e3:7.1f} ms",
+                  f"data wait {metrics['data_wait_ms']:.1f} ms ({metrics['data_wait_ms'] / (metrics['step_s'] * 1e3):.0%})"
+                  if "data_wait_ms" in metrics else "",
                   f"grad norm {metrics['grad_norm']:.3f}", traffic, residuals.strip(),
                   f"data skipped {int(metrics['data/skipped'])}" if metrics.get("data/skipped") else ""]
         print(" | ".join(f for f in fields if f), flush=True)

@@ -84,10 +84,14 @@ class ImageCaptions:
         if prompt.count(IMAGE_MARKER) != 1:
             raise ConfigError(f"train.data.caption_prompt={prompt!r} must hold one {IMAGE_MARKER} marker")
         self.name, self.prompt = path, prompt
-        self.entries = [entry for shard in shard_files(path) for entry in index_shard(shard)]
+        self.shards = shard_files(path)
+        self.entries = [entry for shard in self.shards for entry in index_shard(shard)]
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def files(self) -> list[Path]:
+        return self.shards
 
     def _read(self, entry: Entry, extension: str) -> bytes:
         offset, size = entry.members[extension]

@@ -41,7 +41,8 @@ class Conversations:
     def __init__(self, path: str, image_root: str | None):
         self.name = path
         self.records: list[tuple[dict[str, Any] | None, str, Path]] = []  # (record or None if not an object, where, file)
-        for file in data_files(path, (".json", ".jsonl"), "train.data.path"):
+        self.data_files = data_files(path, (".json", ".jsonl"), "train.data.path")
+        for file in self.data_files:
             self.records += self._read(file)
         if not self.records:
             raise ConfigError(f"train.data.path={path} holds no conversations")
@@ -76,6 +77,16 @@ class Conversations:
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def files(self) -> list[Path]:
+        """The JSON files and every image file they name that exists."""
+        images = set()
+        for index in range(len(self.records)):
+            try:
+                images.update(ref.path for ref in self.sample(index).images)
+            except SampleError:
+                continue
+        return self.data_files + sorted(p for p in images if p.is_file())
 
     def sample(self, index: int) -> Sample:
         record, where, file = self.records[index]

@@ -11,6 +11,7 @@ from hetero.config import ExperimentConfig
 from hetero.data.collate import SampleSkipped, Shaper
 from hetero.data.config import SourceConfig
 from hetero.data.sample_batches import SampleBatches
+from hetero.data.sample_index import SampleIndex, sample_index
 from hetero.data.samples import SampleError, SampleSource, split_of
 from hetero.data.sources.format import DataFormat
 from hetero.errors import ConfigError
@@ -54,8 +55,22 @@ class SampleFormat(DataFormat):
                 if experiment.train.data.on_error != "skip":
                     raise ConfigError(f"{err} (train.data.on_error=skip skips bad samples)") from None
 
-    def load(self, experiment, graph, source, split) -> SampleBatches:
+    def index(self, experiment: ExperimentConfig, source: SourceConfig, samples: SampleSource, shaper: Shaper,
+              split: str) -> SampleIndex:
+        """The index of a split's samples (``hetero.data.sample_index``), from its file or built and kept."""
         data = experiment.train.data
-        return SampleBatches([self.split(experiment, source, split)], [1.0], self.shaper(experiment, graph), split,
+        reader = f"{source.format}|{split}|{data.heldout_every}|{data.heldout_path}|{data.caption_prompt}"
+        return sample_index(samples, shaper.tokenizer, reader)
+
+    def prepare(self, experiment: ExperimentConfig, graph: Graph, source: SourceConfig) -> None:
+        """Index both splits, once, before the ranks read the indexes."""
+        shaper = self.shaper(experiment, graph)
+        for split in ("train", "heldout"):
+            self.index(experiment, source, self.split(experiment, source, split), shaper, split)
+
+    def load(self, experiment, graph, source, split) -> SampleBatches:
+        data, shaper = experiment.train.data, self.shaper(experiment, graph)
+        samples = self.split(experiment, source, split)
+        return SampleBatches([samples], [self.index(experiment, source, samples, shaper, split)], [1.0], shaper, split,
                              experiment.batch.global_batch_size, experiment.seed, data.on_error,
                              data.max_skip_fraction, data.pack)

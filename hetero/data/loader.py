@@ -1,0 +1,70 @@
+"""The training loop's batches, prepared ahead: ``train.data.workers`` processes build the batches of the
+next steps while the current one trains.
+
+``StepLoader`` iterates over steps ``first .. last``, each a ``(step, batch, skipped)`` with the global
+batch of ``(step - 1) // sample_reuse`` and the samples its source skipped building it
+(``train.data.on_error=skip``). With no workers the batches are built in the loop's own process, when
+asked for; with workers a ``torch.utils.data.DataLoader`` over the steps keeps ``PREFETCH`` batches per
+worker in flight, in step order, and copies them into pinned memory when the job runs on CUDA. A worker
+that raises, dies or hangs past ``timeout_s`` raises in the loop (its error, or the DataLoader's), so the
+rank fails and the fault guard stops the job. ``wait_s`` is how long the loop waited for each batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from hetero.data.sources.format import Batches
+
+PREFETCH = 2
+
+
+class StepBatches(Dataset):
+    """Step ``first + i``'s batch and the samples skipped building it, for a DataLoader's workers."""
+
+    def __init__(self, batches: Batches, first: int, last: int, sample_reuse: int):
+        self.batches, self.first, self.last, self.sample_reuse = batches, first, last, sample_reuse
+
+    def __len__(self) -> int:
+        return max(0, self.last - self.first + 1)
+
+    def __getitem__(self, i: int) -> tuple[int, dict[str, torch.Tensor], int]:
+        step = self.first + i
+        before = getattr(self.batches, "skipped", 0)
+        batch = self.batches.batch((step - 1) // self.sample_reuse)
+        return step, batch, getattr(self.batches, "skipped", 0) - before
+
+
+def _one_thread(_: int) -> None:
+    torch.set_num_threads(1)  # a worker decodes; the training process keeps the cores' threads
+
+
+class StepLoader:
+    def __init__(self, batches: Batches, first: int, last: int, sample_reuse: int, workers: int,
+                 device: torch.device, timeout_s: float):
+        self.steps = StepBatches(batches, first, last, sample_reuse)
+        self.workers, self.device, self.timeout_s = workers, device, timeout_s
+        self.wait_s = 0.0
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor], int]]:
+        if not self.workers:
+            source = (self.steps[i] for i in range(len(self.steps)))
+        else:
+            source = iter(DataLoader(self.steps, batch_size=None, shuffle=False, num_workers=self.workers,
+                                     prefetch_factor=PREFETCH, pin_memory=self.device.type == "cuda",
+                                     worker_init_fn=_one_thread, timeout=self.timeout_s))
+        try:
+            while True:
+                tick = time.perf_counter()
+                try:
+                    item = next(source)
+                except StopIteration:
+                    return
+                self.wait_s = time.perf_counter() - tick
+                yield item
+        finally:
+            del source  # a DataLoader's iterator stops its workers when it goes, also after an error

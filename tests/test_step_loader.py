@@ -1,0 +1,64 @@
+"""The training loop's batches from ``train.data.workers`` processes: the same batches, in step order, as
+the loop builds itself; a worker's error, or its death, raises in the loop instead of hanging it."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from hetero.config import load_experiment
+from hetero.data.example import write_llava
+from hetero.data.loader import StepLoader
+from hetero.data.sample_batches import DataError
+from hetero.graph import build_graph
+from hetero.testing.bad_samples import write_cases
+from hetero.train.datasets import load
+
+CPU = torch.device("cpu")
+
+
+def llava_batches(path, *overrides):
+    experiment = load_experiment("own_data_vlm", [f"train.data.path={path}", *overrides])
+    return load(experiment, build_graph(experiment), "train")
+
+
+def test_workers_give_the_batches_the_loop_builds_in_step_order(tmp_path):
+    path = write_llava(tmp_path / "llava", 200, seed=0)
+    for reuse in (1, 2):
+        alone = list(StepLoader(llava_batches(path), 3, 8, reuse, 0, CPU, 60))
+        ahead = list(StepLoader(llava_batches(path), 3, 8, reuse, 2, CPU, 60))
+        assert [s for s, _, _ in alone] == [s for s, _, _ in ahead] == list(range(3, 9))
+        for (_, mine, _), (_, theirs, _) in zip(alone, ahead):
+            assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_a_workers_bad_sample_raises_in_the_loop_and_skips_are_counted(tmp_path):
+    case = next(c for c in write_cases(tmp_path / "bad") if c.name == "missing image file")
+    with pytest.raises(DataError, match=r"image images/not_there\.png not found"):
+        for _ in StepLoader(llava_batches(case.path), 1, 12, 1, 2, CPU, 60):
+            pass
+    skipping = llava_batches(case.path, "train.data.on_error=skip", "train.data.max_skip_fraction=0.05")
+    counts = [skipped for _, _, skipped in StepLoader(skipping, 1, 8, 1, 2, CPU, 60)]
+    assert sum(counts) == 1  # the one bad sample, in the step that met it
+
+
+class Dies:
+    """Batches whose worker is killed when it builds step 3's."""
+
+    global_batch_size = 1
+
+    def batch(self, step):
+        if step == 2 and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"tokens": torch.full((1, 4), step)}
+
+
+def test_a_worker_killed_midway_stops_the_loop_at_once():
+    started = time.perf_counter()
+    seen = []
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid.*(killed by signal|exited unexpectedly)"):
+        for step, batch, _ in StepLoader(Dies(), 1, 20, 1, 1, CPU, 60):
+            seen.append(step)
+    assert seen in ([1], [1, 2]) and time.perf_counter() - started < 30  # step 3 never comes

@@ -1,8 +1,10 @@
 """``hetero train own_data_vlm`` on LLaVA conversations about real images (``hetero data example``): a
-tower and a projector at dp2 on ranks 0-1 and the LLM at tp2 on ranks 2-3, against the same data through
-a colocated layout (all three on ranks 0-1): the same losses, step by step, with one sample a row and
+tower and a projector at dp2 on ranks 0-1 and the LLM at tp2 on ranks 2-3. Each rank decoding only the
+images its modules take trains bit for bit as every rank decoding every image; the same data through a
+colocated layout (all three on ranks 0-1) gives the same losses step by step. With one sample a row and
 with samples packed."""
 
+import json
 import re
 import subprocess
 import sys
@@ -12,24 +14,30 @@ import pytest
 from hetero.data.example import write_llava
 
 
-def losses(tmp_path, *overrides):
+def run(tmp_path, name, *overrides):
+    """Each step's loss and pre-clip gradient norm (``metrics.jsonl``), then the held-out loss."""
     data = tmp_path / "llava" / "conversations.json"
     done = subprocess.run([sys.executable, "-m", "hetero.cli", "train", "own_data_vlm", f"train.data.path={data}",
                            "train.steps=3", "train.log_every=1", "train.eval_every=3", "train.wandb=disabled",
-                           f"train.run_dir={tmp_path / 'runs'}", *overrides],
+                           f"train.run_dir={tmp_path / name}", *overrides],
                           capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [float(x) for x in re.findall(r"^step +\d+ \| loss ([0-9.]+)", done.stdout, flags=re.M)]
+    steps = [json.loads(line) for line in (tmp_path / name / "own_data_vlm" / "metrics.jsonl").open()]
     heldout = [float(x) for x in re.findall(r"held-out loss ([0-9.]+)", done.stdout)]
-    return steps + heldout
+    return [(step["loss"], step["grad_norm"]) for step in steps], heldout
 
 
 @pytest.mark.parametrize("rows", ["one sample a row", "packed"])
-def test_separate_and_colocated_layouts_train_the_same_on_the_same_conversations(tmp_path, rows):
+def test_per_rank_loading_and_colocation_train_the_same_on_the_same_conversations(tmp_path, rows):
     write_llava(tmp_path / "llava", 400, seed=0)
-    pack = [f"train.data.pack={str(rows == 'packed').lower()}"]
-    apart = losses(tmp_path, *pack)
-    together = losses(tmp_path, *pack, "world_size=2", "placement=colocated", "llm.layout.offset=0")
-    print(f"\n{rows}: losses (3 steps, then held-out): ranks apart {apart}, colocated {together}")
-    assert len(apart) == len(together) == 4
-    assert all(abs(a - b) <= 2e-4 * abs(a) for a, b in zip(apart, together)), (apart, together)
+    pack = f"train.data.pack={str(rows == 'packed').lower()}"
+    apart = run(tmp_path, "apart", pack)
+    everything = run(tmp_path, "everything", pack, "train.data.per_rank=false")
+    together = run(tmp_path, "together", pack, "world_size=2", "placement=colocated", "llm.layout.offset=0")
+    print(f"\n{rows}: (loss, grad norm) per step, held-out: ranks apart {apart}, every rank every image "
+          f"{everything}, colocated {together}")
+    assert apart == everything  # bit for bit
+    assert len(apart[0]) == len(together[0]) == 3 and len(apart[1]) == len(together[1]) == 1
+    for (loss, norm), (loss_, norm_) in zip(apart[0], together[0]):
+        assert abs(loss - loss_) <= 1e-5 * loss and abs(norm - norm_) <= 1e-4 * norm
+    assert abs(apart[1][0] - together[1][0]) <= 2e-4 * apart[1][0]

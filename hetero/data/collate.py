@@ -19,6 +19,7 @@ the vision module's items: ``image_pixels`` (images, channels, size, size) for a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ import torch
 
 from hetero.data.chat import ChatTokenizer
 from hetero.data.digits import IGNORE_INDEX
-from hetero.data.images import ImageError, ImagePipeline
+from hetero.data.images import ImageError, ImagePipeline, header_size
 from hetero.data.native_images import patchify
 from hetero.data.sample_index import SampleIndex
 from hetero.data.samples import Sample, SampleError
@@ -42,12 +43,21 @@ class SampleSkipped(Exception):
 
 
 @dataclass
+class Picture:
+    """An image of a sample: its shape after preprocessing, and its pixels (``read``: decoded now, or when
+    first read, by a loader that decodes only the images its rank's modules take)."""
+
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+
+@dataclass
 class Document:
-    """One sample as a row's content: next-token pairs and its images (first placeholder, pixels)."""
+    """One sample as a row's content: next-token pairs and its images (first placeholder, picture)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
-    images: list[tuple[int, torch.Tensor]]
+    images: list[tuple[int, Picture]]
 
 
 def readers(graph: Graph) -> tuple[Node, Node | None]:
@@ -103,30 +113,48 @@ class Shaper:
                               f"{self.llm.name}.model.vocab_size={vocab}; raise it to {self.tokenizer.vocab_size}")
         self.pipeline = image_pipeline(self.vision) if self.vision is not None else None
         self.pad_id = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
+        self.decoded = 0  # images decoded so far
 
-    def image_tokens(self, image: torch.Tensor) -> int:
+    def image_tokens(self, picture: Picture) -> int:
         config = self.vision.config
         if config.max_patches:
-            return (image.shape[1] // config.patch_size) * (image.shape[2] // config.patch_size)
+            return (picture.shape[1] // config.patch_size) * (picture.shape[2] // config.patch_size)
         return config.num_patches
 
-    def images(self, sample: Sample) -> list[torch.Tensor]:
+    def images(self, sample: Sample, decode: bool = True) -> list[Picture]:
+        """``sample``'s pictures, decoded now or (``decode`` false) sized from their headers, decoded when
+        read; ``SampleError`` for a file that is missing or not an image."""
         if sample.images and self.pipeline is None:
             raise SampleError(f"{sample.where}: it holds {len(sample.images)} images but no module of the graph "
                               f"reads images")
-        out = []
+        pictures = []
         for ref in sample.images:
-            try:
-                out.append(self.pipeline(self.pipeline.decode(ref.read(sample.where), f"{sample.where} image {ref.name}")))
-            except ImageError as err:
-                raise SampleError(str(err)) from None
-        return out
+            where, data = f"{sample.where} image {ref.name}", ref.read(sample.where)
+            if decode:
+                pixels = self._decode(data, where)
+                pictures.append(Picture(tuple(pixels.shape), lambda pixels=pixels: pixels))
+                continue
+            size = header_size(data)
+            if size is None:
+                raise SampleError(f"{where}: not a readable image (its header)")
+            height, width = self.pipeline.output_size(size[1], size[0])
+            pictures.append(Picture((self.vision.config.channels, height, width),
+                                    functools.partial(self._decode, data, where)))
+        return pictures
 
-    def encode(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]:
-        """The sample's tokens, their next-token labels (one fewer) and its images at their first
+    def _decode(self, data: bytes, where: str) -> torch.Tensor:
+        try:
+            pixels = self.pipeline(self.pipeline.decode(data, where))
+        except ImageError as err:
+            raise SampleError(str(err)) from None
+        self.decoded += 1
+        return pixels
+
+    def encode(self, sample: Sample, decode: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Picture]]]:
+        """The sample's tokens, their next-token labels (one fewer) and its pictures at their first
         placeholders, whatever its length; ``SampleError`` if it is bad."""
         sample.check()
-        images = self.images(sample)
+        images = self.images(sample, decode)
         try:
             encoded = self.tokenizer.encode_chat(sample.turns, [self.image_tokens(i) for i in images])
         except ValueError as err:
@@ -173,10 +201,10 @@ class Shaper:
         starts = [start + sum(counts[:k]) for k, start in enumerate(text_starts)]
         return self._fit(where, int(index.text_tokens[sample]) + sum(counts) - 1, list(zip(starts, counts)))
 
-    def document(self, sample: Sample) -> Document:
-        """``sample`` tokenized, its images preprocessed; ``SampleError`` if it is bad, ``SampleSkipped``
-        if it is too long under ``too_long: skip``."""
-        tokens, labels, placed = self.encode(sample)
+    def document(self, sample: Sample, decode: bool = True) -> Document:
+        """``sample`` tokenized, its images preprocessed (or, ``decode`` false, sized to be decoded when
+        read); ``SampleError`` if it is bad, ``SampleSkipped`` if it is too long under ``too_long: skip``."""
+        tokens, labels, placed = self.encode(sample, decode)
         cut = self._fit(lambda: sample.where, len(tokens) - 1, [(s, self.image_tokens(i)) for s, i in placed])
         placed = [(s, i) for s, i in placed if s + self.image_tokens(i) <= cut]
         return Document(tokens[:cut], labels[:cut], placed)
@@ -184,9 +212,12 @@ class Shaper:
     def empty(self) -> Document:
         return Document(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [])
 
-    def batch(self, rows: list[list[Document]], index: torch.Tensor, packed: bool) -> dict[str, torch.Tensor]:
+    def batch(self, rows: list[list[Document]], index: torch.Tensor, packed: bool,
+              reads: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The columns of ``rows``, each a list of documents laid end to end (``packed``: with ``documents``,
-        each position's document in its row, the padding one of its own)."""
+        each position's document in its row, the padding one of its own). ``reads``: the items this rank's
+        modules take, from the batch's bookkeeping (``hetero.runtime.rows.ItemReads``); only their pixels are
+        read, the others' left zero (None: every image's)."""
         length = self.seq_len
         tokens = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
         labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
@@ -206,8 +237,14 @@ class Shaper:
         batch = {"tokens": tokens, "labels": labels, "index": index.long()} | ({"documents": documents} if packed else {})
         if self.vision is None:
             return batch
-        return batch | self._items(images) | {"image_row": torch.tensor(row_of, dtype=torch.long),
-                                              "image_start": torch.tensor(starts, dtype=torch.long)}
+        batch |= {"image_row": torch.tensor(row_of, dtype=torch.long), "image_start": torch.tensor(starts, dtype=torch.long)}
+        config = self.vision.config
+        if config.max_patches:
+            grids = [(p.shape[1] // config.patch_size, p.shape[2] // config.patch_size) for p in images]
+            batch["image_grid"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 2)
+        wanted = set(reads(batch).tolist()) if reads is not None else None
+        pixels = [p.read() if wanted is None or i in wanted else torch.zeros(p.shape) for i, p in enumerate(images)]
+        return batch | self._items(pixels)
 
     def _items(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         config = self.vision.config
@@ -215,10 +252,8 @@ class Shaper:
             size = config.image_size
             return {"image_pixels": torch.stack(images) if images else torch.zeros(0, config.channels, size, size)}
         p = config.patch_size
-        grids = [(i.shape[1] // p, i.shape[2] // p) for i in images]
         patches = [patchify(i, p) for i in images]
-        return {"image_patches": torch.cat(patches) if patches else torch.zeros(0, config.channels * p * p),
-                "image_grid": torch.tensor(grids, dtype=torch.long).reshape(-1, 2)}
+        return {"image_patches": torch.cat(patches) if patches else torch.zeros(0, config.channels * p * p)}
 
     def columns(self, packed: bool) -> tuple[str, ...]:
         held = ("tokens", "labels", "index") + (("documents",) if packed else ())

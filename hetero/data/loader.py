@@ -24,10 +24,11 @@ PREFETCH = 2
 
 
 class StepBatches(Dataset):
-    """Step ``first + i``'s batch and the samples skipped building it, for a DataLoader's workers."""
+    """Step ``first + i``'s batch and the samples skipped building it, for a DataLoader's workers;
+    ``reads``: the items this rank decodes (users' formats, ``SampleBatches``), None for all."""
 
-    def __init__(self, batches: Batches, first: int, last: int, sample_reuse: int):
-        self.batches, self.first, self.last, self.sample_reuse = batches, first, last, sample_reuse
+    def __init__(self, batches: Batches, first: int, last: int, sample_reuse: int, reads=None):
+        self.batches, self.first, self.last, self.sample_reuse, self.reads = batches, first, last, sample_reuse, reads
 
     def __len__(self) -> int:
         return max(0, self.last - self.first + 1)
@@ -35,7 +36,8 @@ class StepBatches(Dataset):
     def __getitem__(self, i: int) -> tuple[int, dict[str, torch.Tensor], int]:
         step = self.first + i
         before = getattr(self.batches, "skipped", 0)
-        batch = self.batches.batch((step - 1) // self.sample_reuse)
+        position = (step - 1) // self.sample_reuse
+        batch = self.batches.batch(position) if self.reads is None else self.batches.batch(position, self.reads)
         return step, batch, getattr(self.batches, "skipped", 0) - before
 
 
@@ -45,8 +47,8 @@ def _one_thread(_: int) -> None:
 
 class StepLoader:
     def __init__(self, batches: Batches, first: int, last: int, sample_reuse: int, workers: int,
-                 device: torch.device, timeout_s: float):
-        self.steps = StepBatches(batches, first, last, sample_reuse)
+                 device: torch.device, timeout_s: float, reads=None):
+        self.steps = StepBatches(batches, first, last, sample_reuse, reads)
         self.workers, self.device, self.timeout_s = workers, device, timeout_s
         self.wait_s = 0.0
 

@@ -110,12 +110,12 @@ class SampleBatches:
             self._skip(place, f"{skipped}: longer than the LLM's seq_len (train.data.too_long=skip)")
         return None
 
-    def _document(self, place: Place) -> Document:
+    def _document(self, place: Place, decode: bool = True) -> Document:
         if place in self.bad or place[1] in self.indexes[place[0]].bad:
             self._length(place)  # the index's verdict: raised or counted, as packing would
             return self.shaper.empty()
         sample = functools.partial(self.sources[place[0]].sample, place[1])
-        return self._guarded(place, lambda: self.shaper.document(sample())) or self.shaper.empty()
+        return self._guarded(place, lambda: self.shaper.document(sample(), decode)) or self.shaper.empty()
 
     def _length(self, place: Place) -> int | None:
         if place not in self._lengths:
@@ -153,22 +153,26 @@ class SampleBatches:
             del self._passes[k]  # passes behind this step are not read again
         return rows
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        rows = [[self._document(place) for place in row] for row in self._rows(step)]
+    def _shaped(self, rows: list[list[Place]], index: torch.Tensor, reads) -> dict[str, torch.Tensor]:
+        documents = [[self._document(place, decode=reads is None) for place in row] for row in rows]
+        documents += [[]] * (self.global_batch_size - len(documents))
+        try:
+            return self.shaper.batch(documents, index, self.pack, reads)
+        except SampleError as err:  # decoded on this rank alone: the others cannot leave its row out
+            raise DataError(f"{err} (found decoding this rank's images; its header passed, so no rank skips it: "
+                            f"fix or remove the sample)") from None
+
+    def batch(self, step: int, reads=None) -> dict[str, torch.Tensor]:
+        """Step ``step``'s global batch; ``reads`` (``hetero.runtime.rows.ItemReads``): decode only the
+        images this rank's modules take."""
         index = step * self.global_batch_size + torch.arange(self.global_batch_size)
-        return self.shaper.batch(rows, index, self.pack)
+        return self._shaped(self._rows(step), index, reads)
 
-    def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
+    def ordered_batches(self, reads=None) -> list[dict[str, torch.Tensor]]:
         if self._heldout is None:  # read once: each evaluation sees (and skips) the same samples
-            self._heldout = self._ordered()
+            every = [(s, i) for s, source in enumerate(self.sources) for i in range(len(source))]
+            rows = self._packed(every) if self.pack else [[place] for place in every]
+            size = self.global_batch_size
+            self._heldout = [self._shaped(rows[first : first + size], torch.arange(first, first + size), reads)
+                             for first in range(0, len(rows), size)]
         return self._heldout
-
-    def _ordered(self) -> list[dict[str, torch.Tensor]]:
-        every = [(s, i) for s, source in enumerate(self.sources) for i in range(len(source))]
-        rows = self._packed(every) if self.pack else [[place] for place in every]
-        batches, size = [], self.global_batch_size
-        for first in range(0, len(rows), size):
-            chosen = [[self._document(place) for place in row] for row in rows[first : first + size]]
-            chosen += [[]] * (size - len(chosen))
-            batches.append(self.shaper.batch(chosen, torch.arange(first, first + size), self.pack))
-        return batches

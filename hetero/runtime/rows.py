@@ -16,6 +16,8 @@ items carries them as rows, whatever each side's dp.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hetero.data.digits import dp_rows
@@ -143,3 +145,31 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class ItemReads:
+    """The items (images) one rank's modules read from a batch: for each module of items whose first
+    pipeline stage the rank holds, its replica's items in every microbatch. A function of the batch's
+    per-row and per-item bookkeeping alone (``image_row``, ``image_start``, ``image_grid``), so a loader
+    can tell which images to decode before it decodes any."""
+
+    graph: Graph
+    microbatches: int
+    replicas: tuple[tuple[str, int], ...]  # (module, the rank's DP coordinate in it)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows = StepRows(self.graph, batch, self.microbatches)
+        parts = [rows.local(name, m, dp) for name, dp in self.replicas for m in range(self.microbatches)]
+        return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.long, device="cpu")
+
+
+def item_reads(graph: Graph, microbatches: int, rank: int) -> ItemReads:
+    """What rank ``rank`` reads of a batch's items: its replica of every module of items whose data it
+    takes (the module's first pipeline stage)."""
+    replicas = []
+    for name in graph.placement.modules_on(rank):
+        node, coord = graph.nodes[name], graph.placement.coord(name, rank)
+        if coord.pp == 0 and node.kind.per_item(node.config) and node.kind.data_keys(node.config):
+            replicas.append((name, coord.dp))
+    return ItemReads(graph, microbatches, tuple(replicas))

@@ -30,7 +30,7 @@ from hetero.runtime.executor import Executor, RuntimeEdge
 from hetero.runtime.routed_edge import RoutedEdge
 from hetero.runtime.links import StageLinks
 from hetero.runtime.module import ModuleState
-from hetero.runtime.rows import ITEM_PREFIX, StepRows
+from hetero.runtime.rows import ITEM_PREFIX, ItemReads, StepRows, item_reads
 from hetero.runtime.schedule import check_schedule
 from hetero.runtime.timing import ModuleTimer
 from hetero.runtime.trace import StepTrace
@@ -83,6 +83,10 @@ class Runtime:
 
     def _span(self, name: str):
         return self.trace.span(name, "step_end") if self.trace is not None else contextlib.nullcontext()
+
+    def item_reads(self) -> ItemReads:
+        """Which items of a batch this rank's modules read (``ItemReads``): what a loader must decode here."""
+        return item_reads(self.graph, self.microbatches, self.rank)
 
     # ----------------------------------------------------------------------------------- a step
 

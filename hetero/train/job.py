@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hetero.config import ExperimentConfig
 from hetero.data.loader import StepLoader
+from hetero.data.sample_batches import SampleBatches
 from hetero.graph import Graph, build_graph
 from hetero.interop.hf_source import imported_sources
 from hetero.models.gpt.moe import MoEFeedForward
@@ -102,8 +103,9 @@ def _loop(job: Job, start: int) -> dict[str, float]:
     started = time.perf_counter()
     evaluated: dict[str, float] = {}
     metrics = {"loss": math.nan}
+    reads = runtime.item_reads() if cfg.data.per_rank and isinstance(train_batches, SampleBatches) else None
     loader = StepLoader(train_batches, start + 1, cfg.steps, cfg.sample_reuse, cfg.data.workers, runtime.device,
-                        experiment.timeout_s)
+                        experiment.timeout_s, reads)
     tick, waited, skipped = time.perf_counter(), [], 0  # the first step's time includes starting the workers
     for step, batch, newly_skipped in loader:
         waited.append(loader.wait_s)
@@ -125,22 +127,24 @@ def _loop(job: Job, start: int) -> dict[str, float]:
                          communicator_bytes(runtime))
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             with guard.step(f"evaluation at step {step}"):
-                evaluated = evaluate(runtime, heldout, cfg.eval_batches)
+                evaluated = evaluate(runtime, heldout, cfg.eval_batches, reads)
             log.evaluation(step, evaluated, time.perf_counter() - started)
         if job.checkpoints.due(step, cfg.steps):
             job.checkpoints.save(runtime, step)
         tick = time.perf_counter()
     job.checkpoints.close()
     if not evaluated:  # resumed at the last step: nothing left to train
-        evaluated = evaluate(runtime, heldout, cfg.eval_batches)
+        evaluated = evaluate(runtime, heldout, cfg.eval_batches, reads)
     final = {f"final_{key}": value for key, value in metrics.items() if key == "loss" or key.endswith(".loss")}
     return {"steps": float(cfg.steps), **final, **{f"heldout_{k}": v for k, v in evaluated.items()},
             "seconds": time.perf_counter() - started}
 
 
-def evaluate(runtime: Runtime, heldout: datasets.Batches, max_batches: int = 0) -> dict[str, float]:
-    """Held-out losses and metrics over the first ``max_batches`` full held-out batches (0: all)."""
-    full = (b for b in heldout.ordered_batches() if len(next(iter(b.values()))) == heldout.global_batch_size)
+def evaluate(runtime: Runtime, heldout: datasets.Batches, max_batches: int = 0, reads=None) -> dict[str, float]:
+    """Held-out losses and metrics over the first ``max_batches`` full held-out batches (0: all); ``reads``:
+    the images this rank decodes (users' formats)."""
+    batches = heldout.ordered_batches() if reads is None else heldout.ordered_batches(reads)
+    full = (b for b in batches if len(next(iter(b.values()))) == heldout.global_batch_size)
     return runtime.evaluate(itertools.islice(full, max_batches or None))
 
 

@@ -74,7 +74,7 @@ class ViTKind(Kind):
     def item_tokens(self, config: ViTConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if config.max_patches:
             return batch["image_grid"].cpu().prod(1)
-        return torch.full((len(batch["image_pixels"]),), config.num_patches, dtype=torch.long, device="cpu")
+        return torch.full((len(batch["image_row"]),), config.num_patches, dtype=torch.long, device="cpu")
 
     def host_columns(self, config, batch, keys, local):
         if not config.max_patches:

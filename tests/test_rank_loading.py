@@ -1,0 +1,47 @@
+"""Each rank decodes only the images its modules take: the tower's replicas each their share of every
+step's images (together each image once), LLM-only ranks none, and every column is the global batch's,
+the pixels of a rank's own images included. Vision dp4 (ranks 0-3, its projector beside it) and an LLM
+at dp2 (ranks 4-5) on the example conversations."""
+
+import torch
+
+from hetero.config import load_experiment
+from hetero.data.example import write_llava
+from hetero.graph import build_graph
+from hetero.runtime.rows import item_reads
+from hetero.train.datasets import load
+
+STEPS = 4
+LAYOUT = ["world_size=6", "vision.layout.dp=4", "projector.layout.dp=4", "llm.layout.tp=1", "llm.layout.dp=2",
+          "llm.layout.offset=4", "llm.micro_batch_size=4"]
+
+
+def test_each_rank_decodes_its_share_and_holds_the_global_batch_otherwise(tmp_path):
+    path = write_llava(tmp_path / "llava", 300, seed=0)
+    for pack in ("false", "true"):
+        experiment = load_experiment("own_data_vlm", [f"train.data.path={path}", f"train.data.pack={pack}", *LAYOUT])
+        graph = build_graph(experiment)
+        microbatches = experiment.num_microbatches("vision", 4)
+        everything = load(experiment, graph, "train")
+        table = []
+        for rank in range(6):
+            reads, mine = item_reads(graph, microbatches, rank), load(experiment, graph, "train")
+            decoded = []
+            for step in range(STEPS):
+                whole, before = everything.batch(step), mine.shaper.decoded
+                batch = mine.batch(step, reads)
+                decoded.append(mine.shaper.decoded - before)
+                read = reads(batch)
+                assert decoded[-1] == len(read) and (len(read) > 0) == (rank < 4)
+                assert batch.keys() == whole.keys()
+                for key in batch:
+                    if key != "image_pixels":
+                        assert torch.equal(batch[key], whole[key]), key
+                assert torch.equal(batch["image_pixels"][read], whole["image_pixels"][read])
+                others = torch.ones(len(whole["image_row"]), dtype=torch.bool)
+                others[read] = False
+                assert (batch["image_pixels"][others] == 0).all()
+            table.append(decoded)
+        images = [len(everything.batch(step)["image_row"]) for step in range(STEPS)]
+        print(f"\npack={pack}: images per step {images}; decoded per rank per step {table}")
+        assert [sum(column) for column in zip(*table)] == images  # each image once, by its own replica

@@ -13,12 +13,12 @@ def _layout(args: argparse.Namespace) -> None:
     from hetero.config import load_experiment, split_config_and_overrides
     from hetero.graph import build_graph
     from hetero.parallel.rank_map import format_rank_map, rank_map
-    from hetero.train import datasets
+    from hetero.data import splits
 
     name, overrides = split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
     graph = build_graph(experiment)
-    datasets.open_sources(experiment, graph)
+    splits.open_sources(experiment, graph)
     description = rank_map(experiment, graph.placement)
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
 
@@ -28,14 +28,14 @@ def _train(args: argparse.Namespace) -> int:
 
     from hetero.config import load_experiment, split_config_and_overrides
     from hetero.graph import build_graph
-    from hetero.train import datasets
+    from hetero.data import splits
 
     name, overrides = split_config_and_overrides(args.config)
     selection = [f"experiment={name}"] if name else []
     experiment = load_experiment(name, overrides)
     graph = build_graph(experiment)
-    datasets.open_sources(experiment, graph)
-    datasets.prepare(experiment, graph)  # here, so that a directory holding something else stops no rank
+    splits.open_sources(experiment, graph)
+    splits.prepare(experiment, graph)  # here, so that a directory holding something else stops no rank
     nproc = args.nproc or graph.placement.world_size
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

@@ -469,7 +469,7 @@ def test_a_cycle_is_named():
 
 
 def test_the_dataset_must_hold_what_each_module_reads():
-    from hetero.train.datasets import check
+    from hetero.data.splits import check
 
     experiment = load_experiment("genezip", ["train.data.format=video_clips"])
     with pytest.raises(ConfigError, match=r"^train\.data\.format=video_clips gives the columns clips, revisit, scene, "

@@ -11,7 +11,7 @@ from hetero.bench import genezip
 from hetero.config import load_experiment
 from hetero.data.shards import write_shard_set
 from hetero.graph import build_graph
-from hetero.train import datasets
+from hetero.data import splits
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "experiment").glob("*.yaml"))
 
@@ -47,7 +47,7 @@ def test_a_directory_that_holds_something_else_is_refused_before_any_rank(tmp_pa
 def test_train_and_the_genezip_bench_share_a_window_set_and_keep_others_apart(tmp_path):
     root = tmp_path / "genome"
     experiment = load_experiment("genezip", [f"train.genome_dir={root}", "dna.model.seq_len=1024"])
-    datasets.prepare(experiment, build_graph(experiment))
+    splits.prepare(experiment, build_graph(experiment))
     written = {p.name: p.stat().st_mtime_ns for p in (root / "window1024").iterdir()}
     tiny = ["--steps", "1", "--batch", "2", "--hidden", "16", "--encoder-layers", "1", "--main-layers", "1",
             "--seeds", "0", "--variants", "fixed", "--sweep", "--eval-batches", "1"]
@@ -62,7 +62,7 @@ def test_the_shipped_experiments_keep_their_shard_sets_apart():
     sets: dict[Path, set[str]] = {}
     for name in EXPERIMENTS:
         experiment = load_experiment(name)
-        for shard_set in datasets.shard_sets(experiment, build_graph(experiment)):
+        for shard_set in splits.shard_sets(experiment, build_graph(experiment)):
             sets.setdefault(shard_set.path, set()).add(name)
     for a, b in combinations(sets, 2):
         assert a not in b.parents and b not in a.parents, (a, b)

@@ -11,7 +11,7 @@ from hetero.data.text import decode, load_stdlib_corpus
 from hetero.errors import ConfigError
 from hetero.graph import build_graph
 from hetero.testing.experiments import experiment, module
-from hetero.train import datasets
+from hetero.data import splits
 
 
 def byte_level_bpe(path, vocab_size=300):
@@ -38,9 +38,9 @@ def test_the_checkpoints_tokenizer_encodes_the_text(tmp_path, monkeypatch):
     tokenizer = byte_level_bpe(tmp_path)
     config = text_experiment(tmp_path)
     graph = build_graph(config)
-    datasets.check(config, graph)
-    held_out = datasets.load(config, graph, "heldout").ordered_batches()
-    train = datasets.load(config, graph, "train").batch(0)
+    splits.check(config, graph)
+    held_out = splits.load(config, graph, "heldout").ordered_batches()
+    train = splits.load(config, graph, "train").batch(0)
     corpus = decode(load_stdlib_corpus().heldout)
     for batch in (held_out[0], train):
         tokens, labels = batch["tokens"], batch["labels"]
@@ -58,4 +58,4 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, monkeypatch
     config = text_experiment(tmp_path)
     with pytest.raises(ConfigError, match=r"tokenizer\.json has 300 tokens but llm\.model\.vocab_size=96; use the "
                                           r"tokenizer that came with the weights"):
-        datasets.check(config, build_graph(config))
+        splits.check(config, build_graph(config))

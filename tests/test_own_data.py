@@ -17,7 +17,7 @@ from hetero.data.example import write_llava, write_webdataset
 from hetero.data.sample_batches import DataError
 from hetero.graph import build_graph
 from hetero.testing.bad_samples import write_cases
-from hetero.train.datasets import load
+from hetero.data.splits import load
 
 PLACEHOLDERS = 16  # the tower's (32 / 8)² patches per image
 
@@ -48,7 +48,9 @@ def test_conversations_become_rows_with_images_at_their_markers_and_a_loss_on_th
     tokenizer = ChatTokenizer(None)
     per_row = []
     for step in range(3):
-        per_row += check_rows(source, source.batch(step), train_records, tokenizer)
+        batch = source.batch(step)
+        assert batch["index"].tolist() == [source.locate(16 * step + row)[1] for row in range(16)]  # sample ids
+        per_row += check_rows(source, batch, train_records, tokenizer)
     assert 0 in per_row and 2 in per_row and 1 in per_row  # text-only and multi-image samples too
     assert source.batch(0)["tokens"].equal(source.batch(0)["tokens"])  # a function of (seed, step)
 
@@ -56,9 +58,9 @@ def test_conversations_become_rows_with_images_at_their_markers_and_a_loss_on_th
 def check_rows(source, batch, train_records, tokenizer):
     assert batch["tokens"].shape == batch["labels"].shape == (16, 192)
     per_row = []
-    for row, position in enumerate(batch["index"].tolist()):
-        record = train_records[source.locate(position)[1]]
-        sample = source.sources[0].sample(source.locate(position)[1])
+    for row, sample_id in enumerate(batch["index"].tolist()):
+        record = train_records[sample_id]
+        sample = source.sources[0].sample(sample_id)
         paths = record.get("image", [])
         paths = [paths] if isinstance(paths, str) else paths
         mine = batch["image_row"] == row

@@ -12,7 +12,7 @@ from PIL import Image
 from hetero.config import load_experiment
 from hetero.data.example import write_llava
 from hetero.graph import build_graph
-from hetero.train.datasets import load
+from hetero.data.splits import load
 
 from test_chat_tokens import QWEN2_TEMPLATE, save_tokenizer, template_ids
 
@@ -47,8 +47,7 @@ def test_rows_follow_the_llms_chat_template_and_the_towers_processor(tmp_path):
     batch = source.batch(0)
     records = [r for i, r in enumerate(json.loads(data.read_text())) if i % 20 != 19]
     item = 0
-    for row, position in enumerate(batch["index"].tolist()):
-        index = source.locate(position)[1]
+    for row, index in enumerate(batch["index"].tolist()):
         sample = source.sources[0].sample(index)
         ids = template_ids(chat, sample.turns, [PATCHES] * len(sample.images))
         assert batch["tokens"][row, : len(ids) - 1].tolist() == ids[:-1]

@@ -41,3 +41,40 @@ def test_per_rank_loading_and_colocation_train_the_same_on_the_same_conversation
     for (loss, norm), (loss_, norm_) in zip(apart[0], together[0]):
         assert abs(loss - loss_) <= 1e-5 * loss and abs(norm - norm_) <= 1e-4 * norm
     assert abs(apart[1][0] - together[1][0]) <= 2e-4 * apart[1][0]
+
+
+NATIVE = """
+name: native_own_data
+world_size: 2
+placement: colocated
+batch: {{global_batch_size: 4, micro_batch_size: 4}}
+vision:
+  kind: vit
+  model: {{image_size: 32, patch_size: 8, channels: 3, hidden_size: 32, num_layers: 1, num_heads: 2, out_size: 32,
+          class_token: false, max_patches: 24}}
+  layout: {{dp: 2}}
+  micro_batch_size: 2
+llm:
+  kind: gpt
+  model: {{vocab_size: 256, hidden_size: 32, num_layers: 1, num_heads: 2, seq_len: 512}}
+  layout: {{cp: 2}}
+train: {{steps: 3, log_every: 1, eval_every: 3, wandb: disabled, run_dir: {runs},
+        data: {{format: llava, path: {data}, pack: true, per_rank: {per_rank}}}}}
+edges:
+  - {{src: vision, dst: llm}}
+"""
+
+
+def test_packed_native_resolution_rows_under_cp2_train_the_same_decoded_per_rank(tmp_path):
+    data = write_llava(tmp_path / "llava", 200, seed=0)
+    results = []
+    for per_rank in ("true", "false"):
+        config = tmp_path / f"native_{per_rank}.yaml"
+        config.write_text(NATIVE.format(runs=tmp_path / per_rank, data=data, per_rank=per_rank))
+        done = subprocess.run([sys.executable, "-m", "hetero.cli", "train", str(config)], capture_output=True,
+                              text=True, timeout=400, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / per_rank / "native_own_data" / "metrics.jsonl").open()]
+        results.append([(row["loss"], row["grad_norm"]) for row in rows])
+    print(f"\npacked native rows, LLM cp2 (loss, grad norm): per rank {results[0]}, every image {results[1]}")
+    assert len(results[0]) == 3 and results[0] == results[1]

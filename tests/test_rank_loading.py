@@ -1,15 +1,16 @@
 """Each rank decodes only the images its modules take: the tower's replicas each their share of every
 step's images (together each image once), LLM-only ranks none, and every column is the global batch's,
 the pixels of a rank's own images included. Vision dp4 (ranks 0-3, its projector beside it) and an LLM
-at dp2 (ranks 4-5) on the example conversations."""
+at dp2 (ranks 4-5) on the example conversations, one a row and packed, and on a mixture of conversations
+and image-caption shards."""
 
 import torch
 
 from hetero.config import load_experiment
-from hetero.data.example import write_llava
+from hetero.data.example import write_llava, write_webdataset
 from hetero.graph import build_graph
 from hetero.runtime.rows import item_reads
-from hetero.train.datasets import load
+from hetero.data.splits import load
 
 STEPS = 4
 LAYOUT = ["world_size=6", "vision.layout.dp=4", "projector.layout.dp=4", "llm.layout.tp=1", "llm.layout.dp=2",
@@ -18,8 +19,11 @@ LAYOUT = ["world_size=6", "vision.layout.dp=4", "projector.layout.dp=4", "llm.la
 
 def test_each_rank_decodes_its_share_and_holds_the_global_batch_otherwise(tmp_path):
     path = write_llava(tmp_path / "llava", 300, seed=0)
-    for pack in ("false", "true"):
-        experiment = load_experiment("own_data_vlm", [f"train.data.path={path}", f"train.data.pack={pack}", *LAYOUT])
+    shards = write_webdataset(tmp_path / "shards", 200, seed=0)[0].parent
+    mixture = (f"+train.data.mixture=[{{format: llava, path: '{path}', weight: 2}}, "
+               f"{{format: webdataset, path: '{shards}', weight: 1}}]")
+    for data in ([f"train.data.path={path}"], [f"train.data.path={path}", "train.data.pack=true"], [mixture]):
+        experiment = load_experiment("own_data_vlm", [*data, *LAYOUT])
         graph = build_graph(experiment)
         microbatches = experiment.num_microbatches("vision", 4)
         everything = load(experiment, graph, "train")
@@ -43,5 +47,5 @@ def test_each_rank_decodes_its_share_and_holds_the_global_batch_otherwise(tmp_pa
                 assert (batch["image_pixels"][others] == 0).all()
             table.append(decoded)
         images = [len(everything.batch(step)["image_row"]) for step in range(STEPS)]
-        print(f"\npack={pack}: images per step {images}; decoded per rank per step {table}")
+        print(f"\n{data[-1][:40]}: images per step {images}; decoded per rank per step {table}")
         assert [sum(column) for column in zip(*table)] == images  # each image once, by its own replica

@@ -14,7 +14,7 @@ from hetero.data.loader import StepLoader
 from hetero.data.sample_batches import DataError
 from hetero.graph import build_graph
 from hetero.testing.bad_samples import write_cases
-from hetero.train.datasets import load
+from hetero.data.splits import load
 
 CPU = torch.device("cpu")
 

@@ -61,7 +61,7 @@ def one_rank_overrides(name: str, precision: str) -> list[str]:
 
 def job_row(label: str, name: str, steps: int, device: torch.device) -> Row:
     from hetero.runtime import build_runtime
-    from hetero.train.datasets import load_splits
+    from hetero.data.splits import load_splits
 
     experiment = absolute_paths(load_experiment(name, one_rank_overrides(name, "bf16")))
     runtime = build_runtime(experiment)  # on the device the backend serves: cuda:LOCAL_RANK under NCCL

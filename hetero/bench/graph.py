@@ -33,7 +33,7 @@ PLACEMENTS = ("full_graph", "full_graph_colocated")
 def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int, warmup: int) -> dict[str, Any]:
     """One rank's run: its step times and the world's bytes and module seconds per timed step."""
     from hetero.runtime import build_runtime
-    from hetero.train.datasets import load_splits
+    from hetero.data.splits import load_splits
     from hetero.train.job import communicator_bytes, module_seconds
 
     trainer = build_runtime(experiment)

@@ -56,7 +56,7 @@ PARTS = ("compute", "stage_links", "edges", "step_end", "other")
 def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int) -> StepTrace:
     """This rank's trace of ``steps`` training steps, after a warmup step, each entered after a barrier."""
     from hetero.runtime import build_runtime
-    from hetero.train.datasets import load_splits
+    from hetero.data.splits import load_splits
 
     runtime = build_runtime(experiment)
     data = load_splits(experiment, runtime.graph, ("train",))["train"]

@@ -5,7 +5,7 @@
 
 CONFIG is an experiment name or YAML path and the overrides are Hydra's, as for ``hetero layout``. Only
 vision-language experiments run here (``vision`` a vit and ``llm`` a gpt, optionally ``dna`` a genezip),
-with the runtime and data of ``hetero train`` (``hetero.runtime``, ``hetero.train.datasets``). Started by hand, the ranks
+with the runtime and data of ``hetero train`` (``hetero.runtime``, ``hetero.data.splits``). Started by hand, the ranks
 are processes on this machine (gloo), at most 8; started by torchrun (``launch/bench.py``,
 ``slurm/bench.sbatch``), every process is one rank of the launched job, and ``--scaling weak|strong``
 scales the experiment to the launched world size.
@@ -132,7 +132,7 @@ def dna_forward_flops_per_sample(experiment: ExperimentConfig) -> float:
     """GeneZip's forward FLOPs per window, counted on the first training batch of real windows with the
     runtime's initial weights (dynamic chunking makes the count depend on both)."""
     from hetero.models.genezip.model import GeneZip
-    from hetero.train.datasets import load
+    from hetero.data.splits import load
 
     windows = load(experiment, build_graph(experiment), "train").batch(0)["dna"]
     with torch.random.fork_rng():
@@ -150,7 +150,7 @@ def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int
     world's DTensor collectives in one more step."""
     from hetero.bench.dtensor_collectives import DTensorCollectives, dtensor_owners
     from hetero.runtime import build_runtime
-    from hetero.train.datasets import load_splits
+    from hetero.data.splits import load_splits
     from hetero.train.job import communicator_bytes
 
     trainer = build_runtime(experiment)
@@ -200,7 +200,7 @@ def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:
 
 
 def ensure_shards(experiment: ExperimentConfig) -> None:
-    from hetero.train.datasets import prepare
+    from hetero.data.splits import prepare
 
     prepare(experiment, build_graph(experiment))
 

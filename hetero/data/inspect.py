@@ -109,10 +109,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> None:
     from hetero.config import load_experiment, split_config_and_overrides
     from hetero.graph import build_graph
-    from hetero.train import datasets
+    from hetero.data import splits
 
     name, overrides = split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
     graph = build_graph(experiment)
-    datasets.check(experiment, graph)
+    splits.check(experiment, graph)
     print(inspect(experiment, graph, args.limit))

@@ -17,7 +17,8 @@ A bad sample (``SampleError``) stops the job with its message (``on_error: error
 counted once (``skip``: ``skipped``, reported as ``data/skipped``): its row is left empty, or packing
 leaves it out. Once the skipped samples exceed ``max_skip_fraction`` of the split the job stops, naming
 the last one. The held-out split is every held-out sample once, in order, the last batch filled with
-empty rows.
+empty rows. ``index`` numbers a row's sample (the sources' samples one after another), or, packed, the
+row's place in the stream of rows.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class SampleBatches:
         self._rows_before = [0]  # rows packed from the passes before pass k
         self._heldout: list[dict[str, torch.Tensor]] | None = None
         self._orders: dict[tuple[int, int], torch.Tensor] = {}
+        self._first = [sum(len(source) for source in sources[:s]) for s in range(len(sources))]  # sample ids
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.sources)
@@ -165,8 +167,12 @@ class SampleBatches:
     def batch(self, step: int, reads=None) -> dict[str, torch.Tensor]:
         """Step ``step``'s global batch; ``reads`` (``hetero.runtime.rows.ItemReads``): decode only the
         images this rank's modules take."""
-        index = step * self.global_batch_size + torch.arange(self.global_batch_size)
-        return self._shaped(self._rows(step), index, reads)
+        rows = self._rows(step)
+        if self.pack:  # a packed row is new each pass: numbered by its place in the stream of rows
+            index = step * self.global_batch_size + torch.arange(self.global_batch_size)
+        else:
+            index = torch.tensor([self._first[place[0]] + place[1] for (place,) in rows])
+        return self._shaped(rows, index, reads)
 
     def ordered_batches(self, reads=None) -> list[dict[str, torch.Tensor]]:
         if self._heldout is None:  # read once: each evaluation sees (and skips) the same samples

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.config import ExperimentConfig
+from hetero.data import splits
 from hetero.data.loader import StepLoader
 from hetero.data.sample_batches import SampleBatches
 from hetero.graph import Graph, build_graph
@@ -28,7 +29,6 @@ from hetero.models.gpt.moe import MoEFeedForward
 from hetero.kinds.registry import KindRegistry
 from hetero.parallel.mesh import init_distributed
 from hetero.runtime import Runtime, build_runtime
-from hetero.train import datasets
 from hetero.train.checkpoint import Checkpointer, RunIdentity, check_resumable, resolve_resume
 from hetero.train.faults import FaultGuard, NonFiniteError, describe_rank
 from hetero.train.run_log import RunLog
@@ -73,7 +73,7 @@ class Job:
 def train(experiment: ExperimentConfig, registry: KindRegistry | None = None) -> dict[str, float]:
     """Run the experiment's job on this rank of a launched world; the summary (every rank returns it)."""
     graph = build_graph(experiment, registry)
-    datasets.check(experiment, graph)
+    splits.check(experiment, graph)
     cfg = experiment.train
     run_dir = Path(cfg.run_dir) / experiment.name
     checkpoints = Checkpointer(cfg.checkpoint, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
@@ -98,7 +98,7 @@ def train(experiment: ExperimentConfig, registry: KindRegistry | None = None) ->
 def _loop(job: Job, start: int) -> dict[str, float]:
     experiment, runtime, guard, log = job.experiment, job.runtime, job.guard, job.log
     cfg = experiment.train
-    data = datasets.load_splits(experiment, job.graph)
+    data = splits.load_splits(experiment, job.graph)
     train_batches, heldout = data["train"], data["heldout"]
     started = time.perf_counter()
     evaluated: dict[str, float] = {}
@@ -140,7 +140,7 @@ def _loop(job: Job, start: int) -> dict[str, float]:
             "seconds": time.perf_counter() - started}
 
 
-def evaluate(runtime: Runtime, heldout: datasets.Batches, max_batches: int = 0, reads=None) -> dict[str, float]:
+def evaluate(runtime: Runtime, heldout: splits.Batches, max_batches: int = 0, reads=None) -> dict[str, float]:
     """Held-out losses and metrics over the first ``max_batches`` full held-out batches (0: all); ``reads``:
     the images this rank decodes (users' formats)."""
     batches = heldout.ordered_batches() if reads is None else heldout.ordered_batches(reads)

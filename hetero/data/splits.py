@@ -1,4 +1,4 @@
-"""The job's data: ``train.data`` checked, opened, prepared and loaded through its format
+"""A job's splits: ``train.data`` checked, opened, prepared and loaded through its format
 (``hetero.data.sources``), one source or a mixture of several (``hetero.data.mixture``).
 
 ``check`` and ``open`` run before any rank starts (``hetero layout``, ``hetero train``): the first from

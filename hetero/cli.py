@@ -51,6 +51,7 @@ BENCHMARKS = {
     "boundary": "hetero.bench.boundary",
     "compression": "hetero.bench.compression",
     "cp-attention": "hetero.bench.cp_attention",
+    "data": "hetero.bench.data",
     "dechunk": "hetero.bench.dechunk",
     "genezip": "hetero.bench.genezip",
     "hf-load": "hetero.bench.hf_load",

@@ -49,3 +49,18 @@ def test_each_rank_decodes_its_share_and_holds_the_global_batch_otherwise(tmp_pa
         images = [len(everything.batch(step)["image_row"]) for step in range(STEPS)]
         print(f"\n{data[-1][:40]}: images per step {images}; decoded per rank per step {table}")
         assert [sum(column) for column in zip(*table)] == images  # each image once, by its own replica
+
+
+def test_the_data_benchmark_measures_each_rank_and_simulates_large_worlds(tmp_path, capsys):
+    from hetero.bench import data
+
+    data.main(["--steps", "1", "--worlds", "64", "1024", "--balance-steps", "3", "--data", str(write_llava(tmp_path / "llava", 120, seed=0))])
+    lines = capsys.readouterr().out.splitlines()
+    ranks = [line.split("|") for line in lines if line[:4].strip().isdigit() and "/" in line]
+    assert [int(r[0]) for r in ranks] == list(range(6))
+    own = [float(r[1].split("/")[0]) for r in ranks]
+    assert own[4] == own[5] == 0 and all(x > 0 for x in own[:4])
+    worlds = [line.split("|") for line in lines if "/" not in line and line.split("|")[0].strip() in ("64", "1024")]
+    assert [(int(w[2]), int(w[3])) for w in worlds] == [(2, 0), (2, 0)]
+    splits = {line.split()[2]: float(line.split(": mean ")[1].split(",")[0]) for line in lines if line.startswith("split by")}
+    assert splits.keys() == {"patches", "count"} and 1 <= splits["patches"] <= splits["count"]

@@ -28,10 +28,10 @@ import torch
 
 from hetero.data.chat import ChatTokenizer
 from hetero.data.digits import IGNORE_INDEX
-from hetero.data.images import ImageError, ImagePipeline, header_size
+from hetero.data.images import ImageError, ImagePipeline
 from hetero.data.native_images import patchify
 from hetero.data.sample_index import SampleIndex
-from hetero.data.samples import Sample, SampleError
+from hetero.data.samples import ImageRef, Sample, SampleError
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph, Node
 
@@ -113,7 +113,7 @@ class Shaper:
                               f"{self.llm.name}.model.vocab_size={vocab}; raise it to {self.tokenizer.vocab_size}")
         self.pipeline = image_pipeline(self.vision) if self.vision is not None else None
         self.pad_id = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
-        self.decoded = 0  # images decoded so far
+        self.decoded = self.bytes_read = 0  # images decoded so far, and their files' bytes
 
     def image_tokens(self, picture: Picture) -> int:
         config = self.vision.config
@@ -121,40 +121,38 @@ class Shaper:
             return (picture.shape[1] // config.patch_size) * (picture.shape[2] // config.patch_size)
         return config.num_patches
 
-    def images(self, sample: Sample, decode: bool = True) -> list[Picture]:
-        """``sample``'s pictures, decoded now or (``decode`` false) sized from their headers, decoded when
-        read; ``SampleError`` for a file that is missing or not an image."""
+    def images(self, sample: Sample, sizes: list[tuple[int, int]] | None = None) -> list[Picture]:
+        """``sample``'s pictures: decoded now, or, given each image's (height, width) from the sample index,
+        shaped from those and decoded when read; ``SampleError`` for an image that cannot be read."""
         if sample.images and self.pipeline is None:
             raise SampleError(f"{sample.where}: it holds {len(sample.images)} images but no module of the graph "
                               f"reads images")
         pictures = []
-        for ref in sample.images:
-            where, data = f"{sample.where} image {ref.name}", ref.read(sample.where)
-            if decode:
-                pixels = self._decode(data, where)
+        for k, ref in enumerate(sample.images):
+            read = functools.partial(self._decode, ref, sample.where)
+            if sizes is None:
+                pixels = read()
                 pictures.append(Picture(tuple(pixels.shape), lambda pixels=pixels: pixels))
                 continue
-            size = header_size(data)
-            if size is None:
-                raise SampleError(f"{where}: not a readable image (its header)")
-            height, width = self.pipeline.output_size(size[1], size[0])
-            pictures.append(Picture((self.vision.config.channels, height, width),
-                                    functools.partial(self._decode, data, where)))
+            height, width = self.pipeline.output_size(*sizes[k])
+            pictures.append(Picture((self.vision.config.channels, height, width), read))
         return pictures
 
-    def _decode(self, data: bytes, where: str) -> torch.Tensor:
+    def _decode(self, ref: ImageRef, where: str) -> torch.Tensor:
+        data = ref.read(where)
         try:
-            pixels = self.pipeline(self.pipeline.decode(data, where))
+            pixels = self.pipeline(self.pipeline.decode(data, f"{where} image {ref.name}"))
         except ImageError as err:
             raise SampleError(str(err)) from None
-        self.decoded += 1
+        self.decoded, self.bytes_read = self.decoded + 1, self.bytes_read + len(data)
         return pixels
 
-    def encode(self, sample: Sample, decode: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Picture]]]:
+    def encode(self, sample: Sample, sizes: list[tuple[int, int]] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, Picture]]]:
         """The sample's tokens, their next-token labels (one fewer) and its pictures at their first
-        placeholders, whatever its length; ``SampleError`` if it is bad."""
+        placeholders, whatever its length (``sizes``: see ``images``); ``SampleError`` if it is bad."""
         sample.check()
-        images = self.images(sample, decode)
+        images = self.images(sample, sizes)
         try:
             encoded = self.tokenizer.encode_chat(sample.turns, [self.image_tokens(i) for i in images])
         except ValueError as err:
@@ -201,10 +199,10 @@ class Shaper:
         starts = [start + sum(counts[:k]) for k, start in enumerate(text_starts)]
         return self._fit(where, int(index.text_tokens[sample]) + sum(counts) - 1, list(zip(starts, counts)))
 
-    def document(self, sample: Sample, decode: bool = True) -> Document:
-        """``sample`` tokenized, its images preprocessed (or, ``decode`` false, sized to be decoded when
-        read); ``SampleError`` if it is bad, ``SampleSkipped`` if it is too long under ``too_long: skip``."""
-        tokens, labels, placed = self.encode(sample, decode)
+    def document(self, sample: Sample, sizes: list[tuple[int, int]] | None = None) -> Document:
+        """``sample`` tokenized, its images preprocessed (or, given their ``sizes``, to be decoded when read);
+        ``SampleError`` if it is bad, ``SampleSkipped`` if it is too long under ``too_long: skip``."""
+        tokens, labels, placed = self.encode(sample, sizes)
         cut = self._fit(lambda: sample.where, len(tokens) - 1, [(s, self.image_tokens(i)) for s, i in placed])
         placed = [(s, i) for s, i in placed if s + self.image_tokens(i) <= cut]
         return Document(tokens[:cut], labels[:cut], placed)

@@ -113,11 +113,15 @@ class SampleBatches:
         return None
 
     def _document(self, place: Place, decode: bool = True) -> Document:
-        if place in self.bad or place[1] in self.indexes[place[0]].bad:
+        """The sample at ``place`` as a row's content: its images decoded, or (``decode`` false) shaped from
+        the index, to be decoded only where read."""
+        index = self.indexes[place[0]]
+        if place in self.bad or place[1] in index.bad:
             self._length(place)  # the index's verdict: raised or counted, as packing would
             return self.shaper.empty()
+        sizes = None if decode else [tuple(size) for size in index.image_sizes[index.images(place[1])].tolist()]
         sample = functools.partial(self.sources[place[0]].sample, place[1])
-        return self._guarded(place, lambda: self.shaper.document(sample(), decode)) or self.shaper.empty()
+        return self._guarded(place, lambda: self.shaper.document(sample(), sizes)) or self.shaper.empty()
 
     def _length(self, place: Place) -> int | None:
         if place not in self._lengths:

@@ -48,7 +48,7 @@ def _entry(source: SampleSource, index: int, tokenizer) -> tuple[int, list[int],
     sample.check()
     sizes = []
     for ref in sample.images:
-        size = header_size(ref.path if ref.path is not None else ref.read(sample.where))
+        size = header_size(ref.path if ref.path is not None and ref.span is None else ref.read(sample.where))
         if size is None:
             if ref.path is not None and not ref.path.is_file():
                 ref.read(sample.where)  # names the missing file

@@ -22,17 +22,23 @@ class SampleError(ValueError):
 
 @dataclass(frozen=True)
 class ImageRef:
-    """An image of a sample: a file (``path``) or bytes already read (a tar member), ``name`` for messages."""
+    """An image of a sample: a file (``path``), or ``span`` (offset, size) of one (a tar member), or bytes
+    already read; ``name`` for messages. Nothing is read until ``read``."""
 
     name: str
     path: Path | None = None
     data: bytes | None = None
+    span: tuple[int, int] | None = None
 
     def read(self, where: str) -> bytes:
         if self.data is not None:
             return self.data
         assert self.path is not None
         try:
+            if self.span is not None:
+                with self.path.open("rb") as f:
+                    f.seek(self.span[0])
+                    return f.read(self.span[1])
             return self.path.read_bytes()
         except FileNotFoundError:
             raise SampleError(f"{where}: image {self.name} not found at {self.path}; fix the path or "

@@ -125,7 +125,7 @@ class ImageCaptions:
                 raise SampleError(f"{where}: {entry.key}.json has no caption or text field")
         member = f"{entry.key}.{image}"
         turns = [Turn("user", self.prompt), Turn("assistant", caption.strip())]
-        return Sample(entry.key, where, turns, [ImageRef(member, data=self._read(entry, image))])
+        return Sample(entry.key, where, turns, [ImageRef(member, entry.shard, span=entry.members[image])])
 
     def describe(self, index: int) -> SampleInfo:
         entry = self.entries[index]

@@ -4,7 +4,8 @@
 
 - every rank bumps a heartbeat counter in the job's store once a second (a background thread);
 - a rank whose code raises records its error in the store, prints a report and exits non-zero at once
-  (no interpreter shutdown: its peers may be blocked in a collective with it);
+  (no interpreter shutdown: its peers may be blocked in a collective with it); so does a rank whose data
+  worker died, though torch may report that inside a collective;
 - a rank whose collective fails because a peer died reads the store: a peer that recorded an error is
   named with that error; otherwise the peers whose heartbeats stopped without their marking an exit are
   named as the ones that died (or hang);
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from hetero.parallel.placement import Placement
 
 HEARTBEAT_S = 1.0
+DATA_WORKER = "DataLoader worker"  # how torch names a data worker that died (``train.data.workers``)
 
 
 class NonFiniteError(RuntimeError):
@@ -150,6 +152,8 @@ class FaultGuard:
         communication = err is None or isinstance(err, (dist.DistBackendError, dist.DistNetworkError)) or (
             isinstance(err, RuntimeError) and any(w in str(err) for w in ("Connection", "Gloo", "gloo", "peer"))
         )
+        if err is not None and DATA_WORKER in str(err):  # this rank's data worker died, wherever that surfaced
+            communication = False
         if not communication:
             with contextlib.suppress(Exception):
                 self.store.set(f"{self.prefix}error/{self.rank}", f"{own}: {message}")

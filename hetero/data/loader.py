@@ -69,4 +69,8 @@ class StepLoader:
                 self.wait_s = time.perf_counter() - tick
                 yield item
         finally:
-            del source  # a DataLoader's iterator stops its workers when it goes, also after an error
+            # Stop the workers now, also after an error: until then torch's SIGCHLD handler, which knows
+            # their pids, raises again in whatever runs when any child process ends.
+            stop = getattr(source, "_shutdown_workers", None)
+            if stop is not None:
+                stop()

@@ -1,6 +1,8 @@
 """A data worker (``train.data.workers``) killed mid-run: every rank exits within 60 s and the reports
-name the dead worker."""
+name the dead worker. An image that only its own rank decodes (its header reads, its pixels do not):
+every rank stops before the step, naming the image."""
 
+import json
 import os
 import re
 import signal
@@ -57,3 +59,22 @@ def test_a_killed_data_worker_ends_every_rank_naming_it(tmp_path):
     for rank in range(4):
         block = re.search(rf"^hetero: rank {rank} .*(?:\nhetero: the failure started at .*)?", out, flags=re.M).group(0)
         assert re.search(rf"DataLoader worker \(pid(\(s\))? {victim}\)", block), block
+
+
+def test_an_image_only_its_rank_decodes_stops_every_rank_before_the_step(tmp_path):
+    data = write_llava(tmp_path / "llava", 200, seed=0)
+    image = tmp_path / "llava" / json.loads(data.read_text())[5]["image"]
+    header = image.read_bytes()
+    image.write_bytes(header[:60] + bytes(len(header) - 60))  # the size still reads; the pixels do not
+    done = subprocess.run([sys.executable, "-m", "hetero.cli", "train", "own_data_vlm", f"train.data.path={data}",
+                           "train.steps=20", "train.log_every=1", "train.wandb=disabled",
+                           f"train.run_dir={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    reports = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if line.startswith("hetero: rank")]
+    print("\n" + "\n".join(reports))
+    assert done.returncode != 0 and len(reports) == 4, done.stdout[-3000:] + done.stderr[-3000:]
+    for line in reports:  # "failed:", not "failed in step 1:": no rank started the step
+        assert re.match(r"hetero: rank \d \(.*\) failed: DataError: ", line), line
+        assert f"sample 5 (id 000005) image {image.relative_to(tmp_path / 'llava')}: not a readable image" in line, line
+    assert sum("so no rank starts it" in line for line in reports) == 3
+    assert (tmp_path / "runs" / "own_data_vlm" / "metrics.jsonl").read_text() == ""  # no step trained

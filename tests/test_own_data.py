@@ -206,7 +206,7 @@ def test_packed_conversations_fill_rows_with_documents_planned_from_text_and_hea
         offset = 0
         for d, place in enumerate(row):
             document = single._document(place)
-            alone, length = single.shaper.batch([[document]], torch.zeros(1), False), len(document.tokens)
+            alone, length = single.shaper.batch([[document]], torch.zeros(1), False), document.length
             assert length == packed._length(place)  # planned from the text and the images' headers
             assert (documents[r, offset : offset + length] == d).all()
             assert batch["tokens"][r, offset : offset + length].equal(alone["tokens"][0, :length])
@@ -258,7 +258,7 @@ def test_native_resolution_images_keep_their_aspect_and_packing_plans_them_from_
             for place in row:
                 sample = source.sources[0].sample(place[1])
                 document = source._document(place)
-                assert len(document.tokens) == source._length(place)
+                assert document.length == source._length(place)
                 for ref, (_, image) in zip(sample.images, document.images):
                     width, height = header_size(ref.read(sample.where))
                     rows, cols = image.shape[1] // 8, image.shape[2] // 8

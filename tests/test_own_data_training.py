@@ -2,7 +2,7 @@
 tower and a projector at dp2 on ranks 0-1 and the LLM at tp2 on ranks 2-3. Each rank decoding only the
 images its modules take trains bit for bit as every rank decoding every image; the same data through a
 colocated layout (all three on ranks 0-1) gives the same losses step by step. With one sample a row and
-with samples packed."""
+with samples packed, and on a mixture of conversations and image-caption shards."""
 
 import json
 import re
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hetero.data.example import write_llava
+from hetero.data.example import write_llava, write_webdataset
 
 
 def run(tmp_path, name, *overrides):
@@ -41,6 +41,17 @@ def test_per_rank_loading_and_colocation_train_the_same_on_the_same_conversation
     for (loss, norm), (loss_, norm_) in zip(apart[0], together[0]):
         assert abs(loss - loss_) <= 1e-5 * loss and abs(norm - norm_) <= 1e-4 * norm
     assert abs(apart[1][0] - together[1][0]) <= 2e-4 * apart[1][0]
+
+
+def test_a_mixture_read_per_rank_trains_bit_for_bit_as_read_everywhere(tmp_path):
+    path = write_llava(tmp_path / "llava", 300, seed=0)
+    shards = write_webdataset(tmp_path / "shards", 200, seed=0)[0].parent
+    mixture = (f"+train.data.mixture=[{{format: llava, path: '{path}', weight: 2}}, "
+               f"{{format: webdataset, path: '{shards}', weight: 1}}]")
+    apart = run(tmp_path, "apart", mixture)
+    everything = run(tmp_path, "everything", mixture, "train.data.per_rank=false")
+    print(f"\nmixture: (loss, grad norm) per step, held-out: per rank {apart}, every rank everything {everything}")
+    assert len(apart[0]) == 3 and len(apart[1]) == 1 and apart == everything  # bit for bit
 
 
 NATIVE = """

@@ -1,6 +1,6 @@
-"""Each rank decodes only the images its modules take: the tower's replicas each their share of every
-step's images (together each image once), LLM-only ranks none, and every column is the global batch's,
-the pixels of a rank's own images included. Vision dp4 (ranks 0-3, its projector beside it) and an LLM
+"""Each rank reads only what its modules take: the tower's replicas decode each their share of every
+step's images (together each image once, their pixels alone in the batch), LLM-only ranks none; the
+LLM's replicas tokenize their rows (tower-only ranks none); every other column is the global batch's. Vision dp4 (ranks 0-3, its projector beside it) and an LLM
 at dp2 (ranks 4-5) on the example conversations, one a row and packed, and on a mixture of conversations
 and image-caption shards."""
 
@@ -9,7 +9,8 @@ import torch
 from hetero.config import load_experiment
 from hetero.data.example import write_llava, write_webdataset
 from hetero.graph import build_graph
-from hetero.runtime.rows import item_reads
+from hetero.data.digits import IGNORE_INDEX
+from hetero.runtime.rows import rank_reads
 from hetero.data.splits import load
 
 STEPS = 4
@@ -27,40 +28,47 @@ def test_each_rank_decodes_its_share_and_holds_the_global_batch_otherwise(tmp_pa
         graph = build_graph(experiment)
         microbatches = experiment.num_microbatches("vision", 4)
         everything = load(experiment, graph, "train")
-        table = []
+        table, tokenized = [], []
         for rank in range(6):
-            reads, mine = item_reads(graph, microbatches, rank), load(experiment, graph, "train")
+            reads, mine = rank_reads(graph, microbatches, rank), load(experiment, graph, "train")
             decoded = []
             for step in range(STEPS):
                 whole, before = everything.batch(step), mine.shaper.decoded
                 batch = mine.batch(step, reads)
                 decoded.append(mine.shaper.decoded - before)
-                read = reads(batch)
-                assert decoded[-1] == len(read) and (len(read) > 0) == (rank < 4)
-                assert batch.keys() == whole.keys()
-                for key in batch:
-                    if key != "image_pixels":
-                        assert torch.equal(batch[key], whole[key]), key
-                assert torch.equal(batch["image_pixels"][read], whole["image_pixels"][read])
-                others = torch.ones(len(whole["image_row"]), dtype=torch.bool)
-                others[read] = False
-                assert (batch["image_pixels"][others] == 0).all()
+                rows, read = reads(batch)
+                assert decoded[-1] == len(read) and (len(read) > 0) == (rank < 4) and (len(rows) > 0) == (rank >= 4)
+                assert batch.keys() == whole.keys() | {"image_held"} and torch.equal(batch["image_held"], read)
+                for key in whole.keys() - {"tokens", "labels", "image_pixels"}:
+                    assert torch.equal(batch[key], whole[key]), key
+                assert torch.equal(batch["image_pixels"], whole["image_pixels"][read])
+                others = torch.ones(len(batch["tokens"]), dtype=torch.bool)
+                others[rows] = False
+                for key, pad in (("tokens", mine.shaper.pad_id), ("labels", IGNORE_INDEX)):
+                    assert torch.equal(batch[key][rows], whole[key][rows]) and (batch[key][others] == pad).all()
             table.append(decoded)
-        images = [len(everything.batch(step)["image_row"]) for step in range(STEPS)]
-        print(f"\n{data[-1][:40]}: images per step {images}; decoded per rank per step {table}")
+            tokenized.append(mine.shaper.tokenized)
+        once = load(experiment, graph, "train")
+        images = [len(once.batch(step)["image_row"]) for step in range(STEPS)]
+        print(f"\n{data[-1][:40]}: images per step {images}; decoded per rank per step {table}; samples "
+              f"tokenized per rank {tokenized}")
         assert [sum(column) for column in zip(*table)] == images  # each image once, by its own replica
+        assert tokenized[:4] == [0] * 4 and sum(tokenized[4:]) == once.shaper.tokenized  # each sample once
 
 
 def test_the_data_benchmark_measures_each_rank_and_simulates_large_worlds(tmp_path, capsys):
     from hetero.bench import data
 
-    data.main(["--steps", "1", "--worlds", "64", "1024", "--balance-steps", "3", "--data", str(write_llava(tmp_path / "llava", 120, seed=0))])
+    data.main(["--steps", "1", "--worlds", "64", "1024", "--balance-steps", "3", "--wait-steps", "0",
+               "--data", str(write_llava(tmp_path / "llava", 120, seed=0))])
     lines = capsys.readouterr().out.splitlines()
     ranks = [line.split("|") for line in lines if line[:4].strip().isdigit() and "/" in line]
     assert [int(r[0]) for r in ranks] == list(range(6))
     own = [float(r[1].split("/")[0]) for r in ranks]
     assert own[4] == own[5] == 0 and all(x > 0 for x in own[:4])
+    tokenized = [float(r[3].split("/")[0]) for r in ranks]
+    assert tokenized[:4] == [0] * 4 and all(x > 0 for x in tokenized[4:])
     worlds = [line.split("|") for line in lines if "/" not in line and line.split("|")[0].strip() in ("64", "1024")]
-    assert [(int(w[2]), int(w[3])) for w in worlds] == [(2, 0), (2, 0)]
+    assert [(int(w[2]), int(w[3]), int(w[4])) for w in worlds] == [(2, 0, 16), (2, 0, 16)]  # rows: 2·(N/2)/(N/16)
     splits = {line.split()[2]: float(line.split(": mean ")[1].split(",")[0]) for line in lines if line.startswith("split by")}
     assert splits.keys() == {"patches", "count"} and 1 <= splits["patches"] <= splits["count"]

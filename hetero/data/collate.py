@@ -30,7 +30,7 @@ from hetero.data.chat import ChatTokenizer
 from hetero.data.digits import IGNORE_INDEX
 from hetero.data.images import ImageError, ImagePipeline
 from hetero.data.native_images import patchify
-from hetero.data.sample_index import SampleIndex
+from hetero.data.sample_index import INDEX_DIR, SampleIndex
 from hetero.data.samples import ImageRef, Sample, SampleError
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph, Node
@@ -53,11 +53,14 @@ class Picture:
 
 @dataclass
 class Document:
-    """One sample as a row's content: next-token pairs and its images (first placeholder, picture)."""
+    """One sample as a row's content: its length in next-token pairs, its images (first placeholder,
+    picture), how many of its labels carry a loss, and its tokens and labels (``text``: made now, or, for
+    a document planned from the sample index, when a rank whose modules read its row first asks)."""
 
-    tokens: torch.Tensor
-    labels: torch.Tensor
+    length: int
     images: list[tuple[int, Picture]]
+    label_count: int
+    text: Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
 
 def readers(graph: Graph) -> tuple[Node, Node | None]:
@@ -113,7 +116,7 @@ class Shaper:
                               f"{self.llm.name}.model.vocab_size={vocab}; raise it to {self.tokenizer.vocab_size}")
         self.pipeline = image_pipeline(self.vision) if self.vision is not None else None
         self.pad_id = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
-        self.decoded = self.bytes_read = 0  # images decoded so far, and their files' bytes
+        self.decoded = self.bytes_read = self.tokenized = 0  # images decoded so far, their bytes, samples tokenized
 
     def image_tokens(self, picture: Picture) -> int:
         config = self.vision.config
@@ -153,6 +156,7 @@ class Shaper:
         placeholders, whatever its length (``sizes``: see ``images``); ``SampleError`` if it is bad."""
         sample.check()
         images = self.images(sample, sizes)
+        self.tokenized += 1
         try:
             encoded = self.tokenizer.encode_chat(sample.turns, [self.image_tokens(i) for i in images])
         except ValueError as err:
@@ -186,9 +190,9 @@ class Shaper:
         rows, cols = self.pipeline.output_size(height, width)
         return (rows // config.patch_size) * (cols // config.patch_size)
 
-    def plan(self, index: SampleIndex, sample: int, where: Callable[[], str]) -> int:
-        """The positions sample ``sample`` of ``index``'s source keeps, from the index alone (for packing);
-        ``SampleError`` if it is bad, ``SampleSkipped`` if it is too long under ``too_long: skip``."""
+    def _placed(self, index: SampleIndex, sample: int, where: Callable[[], str]) -> tuple[int, list[tuple[int, int]]]:
+        """Sample ``sample``'s length in next-token pairs and its images' (first placeholder, count), whole,
+        from ``index`` alone."""
         if sample in index.bad:
             raise SampleError(index.bad[sample])
         sizes = index.image_sizes[index.images(sample)].tolist()
@@ -197,7 +201,32 @@ class Shaper:
         counts = [self.placeholders(height, width) for height, width in sizes]
         text_starts = index.image_text_starts[index.images(sample)].tolist()
         starts = [start + sum(counts[:k]) for k, start in enumerate(text_starts)]
-        return self._fit(where, int(index.text_tokens[sample]) + sum(counts) - 1, list(zip(starts, counts)))
+        return int(index.text_tokens[sample]) + sum(counts) - 1, list(zip(starts, counts))
+
+    def plan(self, index: SampleIndex, sample: int, where: Callable[[], str]) -> int:
+        """The positions sample ``sample`` of ``index``'s source keeps, from the index alone (for packing);
+        ``SampleError`` if it is bad, ``SampleSkipped`` if it is too long under ``too_long: skip``."""
+        return self._fit(where, *self._placed(index, sample, where))
+
+    def planned(self, index: SampleIndex, sample_id: int, sample: Sample) -> Document:
+        """Sample ``sample_id`` of ``index``'s source (``sample``) as a document shaped from the index: its
+        length, image places and label count known now, its text tokenized and its images decoded only
+        when read. Errors as ``document``."""
+        full, placed = self._placed(index, sample_id, lambda: sample.where)
+        cut = self._fit(lambda: sample.where, full, placed)
+        sizes = [tuple(size) for size in index.image_sizes[index.images(sample_id)].tolist()]
+        pictures = self.images(sample, sizes)
+        kept = [(start, picture) for (start, count), picture in zip(placed, pictures) if start + count <= cut]
+        text = functools.partial(self._text, sample, sizes, cut)
+        label_count = int(index.label_tokens[sample_id]) if cut == full else int((text()[1] != IGNORE_INDEX).sum())
+        return Document(cut, kept, label_count, text)
+
+    def _text(self, sample: Sample, sizes: list[tuple[int, int]], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        document = self.document(sample, sizes)
+        if document.length != length:
+            raise SampleError(f"{sample.where}: {document.length} positions tokenized but {length} in the sample "
+                              f"index; the data changed since it was indexed (delete its {INDEX_DIR} directory)")
+        return document.text()
 
     def document(self, sample: Sample, sizes: list[tuple[int, int]] | None = None) -> Document:
         """``sample`` tokenized, its images preprocessed (or, given their ``sizes``, to be decoded when read);
@@ -205,44 +234,60 @@ class Shaper:
         tokens, labels, placed = self.encode(sample, sizes)
         cut = self._fit(lambda: sample.where, len(tokens) - 1, [(s, self.image_tokens(i)) for s, i in placed])
         placed = [(s, i) for s, i in placed if s + self.image_tokens(i) <= cut]
-        return Document(tokens[:cut], labels[:cut], placed)
+        tokens, labels = tokens[:cut], labels[:cut]
+        return Document(cut, placed, int((labels != IGNORE_INDEX).sum()), lambda: (tokens, labels))
 
     def empty(self) -> Document:
-        return Document(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [])
+        nothing = torch.zeros(0, dtype=torch.long)
+        return Document(0, [], 0, lambda: (nothing, nothing))
 
     def batch(self, rows: list[list[Document]], index: torch.Tensor, packed: bool,
-              reads: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+              reads: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None = None
+              ) -> dict[str, torch.Tensor]:
         """The columns of ``rows``, each a list of documents laid end to end (``packed``: with ``documents``,
-        each position's document in its row, the padding one of its own). ``reads``: the items this rank's
-        modules take, from the batch's bookkeeping (``hetero.runtime.rows.ItemReads``); only their pixels are
-        read, the others' left zero (None: every image's)."""
+        each position's document in its row, the padding one of its own), and ``label_counts``, each row's
+        labels that carry a loss. ``reads``: the rows and items this rank's modules take, from the batch's
+        bookkeeping (``hetero.runtime.rows.RankReads``): only those rows are tokenized (the others hold
+        padding) and only those images read, their pixels alone in the batch with ``image_held``, their
+        numbers (None: every row and image)."""
         length = self.seq_len
-        tokens = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
         documents = torch.zeros(len(rows), length, dtype=torch.long)
+        label_counts = torch.zeros(len(rows), dtype=torch.long)
         row_of, starts, images = [], [], []
         for r, row in enumerate(rows):
             offset = 0
             for d, doc in enumerate(row):
-                end = offset + len(doc.tokens)
-                tokens[r, offset:end], labels[r, offset:end], documents[r, offset:end] = doc.tokens, doc.labels, d
+                documents[r, offset : offset + doc.length] = d
+                label_counts[r] += doc.label_count
                 for start, image in doc.images:
                     row_of.append(r)
                     starts.append(offset + start)
                     images.append(image)
-                offset = end
+                offset += doc.length
             documents[r, offset:] = len(row)
-        batch = {"tokens": tokens, "labels": labels, "index": index.long()} | ({"documents": documents} if packed else {})
+        places = {"index": index.long()}
+        if self.vision is not None:
+            places |= {"image_row": torch.tensor(row_of, dtype=torch.long),
+                       "image_start": torch.tensor(starts, dtype=torch.long)}
+            config = self.vision.config
+            if config.max_patches:
+                grids = [(p.shape[1] // config.patch_size, p.shape[2] // config.patch_size) for p in images]
+                places["image_grid"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 2)
+        held_rows, held = reads(places) if reads is not None else (range(len(rows)), None)
+        tokens = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+        for r in [int(r) for r in held_rows]:
+            offset = 0
+            for doc in rows[r]:
+                tokens[r, offset : offset + doc.length], labels[r, offset : offset + doc.length] = doc.text()
+                offset += doc.length
+        batch = {"tokens": tokens, "labels": labels, "index": places.pop("index")}
+        batch |= ({"documents": documents} if packed else {}) | {"label_counts": label_counts} | places
         if self.vision is None:
             return batch
-        batch |= {"image_row": torch.tensor(row_of, dtype=torch.long), "image_start": torch.tensor(starts, dtype=torch.long)}
-        config = self.vision.config
-        if config.max_patches:
-            grids = [(p.shape[1] // config.patch_size, p.shape[2] // config.patch_size) for p in images]
-            batch["image_grid"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 2)
-        wanted = set(reads(batch).tolist()) if reads is not None else None
-        pixels = [p.read() if wanted is None or i in wanted else torch.zeros(p.shape) for i, p in enumerate(images)]
-        return batch | self._items(pixels)
+        if held is None:
+            return batch | self._items([p.read() for p in images])
+        return batch | self._items([images[i].read() for i in held.tolist()]) | {"image_held": held}
 
     def _items(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         config = self.vision.config
@@ -254,7 +299,7 @@ class Shaper:
         return {"image_patches": torch.cat(patches) if patches else torch.zeros(0, config.channels * p * p)}
 
     def columns(self, packed: bool) -> tuple[str, ...]:
-        held = ("tokens", "labels", "index") + (("documents",) if packed else ())
+        held = ("tokens", "labels", "index") + (("documents",) if packed else ()) + ("label_counts",)
         if self.vision is None:
             return held
         items = ("image_pixels",) if not self.vision.config.max_patches else ("image_patches", "image_grid")

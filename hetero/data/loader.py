@@ -1,13 +1,14 @@
 """The training loop's batches, prepared ahead: ``train.data.workers`` processes build the batches of the
 next steps while the current one trains.
 
-``StepLoader`` iterates over steps ``first .. last``, each a ``(step, batch, skipped)`` with the global
-batch of ``(step - 1) // sample_reuse`` and the samples its source skipped building it
-(``train.data.on_error=skip``). With no workers the batches are built in the loop's own process, when
-asked for; with workers a ``torch.utils.data.DataLoader`` over the steps keeps ``PREFETCH`` batches per
-worker in flight, in step order, and copies them into pinned memory when the job runs on CUDA. A worker
-that raises, dies or hangs past ``timeout_s`` raises in the loop (its error, or the DataLoader's), so the
-rank fails and the fault guard stops the job. ``wait_s`` is how long the loop waited for each batch.
+``StepLoader`` iterates over steps ``first .. last``, each a ``(step, batch, skipped)`` with the batch
+of ``(step - 1) // sample_reuse`` (this rank's, given its ``reads``) and the samples its source newly
+skipped building it (``train.data.on_error=skip``: place -> why, for ``SampleBatches.skip`` in the loop's
+process). With no workers the batches are built in the loop's own process, when asked for; with workers
+a ``torch.utils.data.DataLoader`` over the steps keeps ``PREFETCH`` batches per worker in flight, in step
+order, and copies them into pinned memory when the job runs on CUDA. A worker that raises, dies or hangs
+past ``timeout_s`` raises in the loop (its error, or the DataLoader's), where the job's data agreement
+stops every rank (``hetero.train.data_agreement``). ``wait_s`` is how long the loop waited for each batch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ PREFETCH = 2
 
 class StepBatches(Dataset):
     """Step ``first + i``'s batch and the samples skipped building it, for a DataLoader's workers;
-    ``reads``: the items this rank decodes (users' formats, ``SampleBatches``), None for all."""
+    ``reads``: the rows and items this rank reads (users' formats, ``SampleBatches``), None for all."""
 
     def __init__(self, batches: Batches, first: int, last: int, sample_reuse: int, reads=None):
         self.batches, self.first, self.last, self.sample_reuse, self.reads = batches, first, last, sample_reuse, reads
@@ -33,16 +34,20 @@ class StepBatches(Dataset):
     def __len__(self) -> int:
         return max(0, self.last - self.first + 1)
 
-    def __getitem__(self, i: int) -> tuple[int, dict[str, torch.Tensor], int]:
+    def __getitem__(self, i: int) -> tuple[int, dict[str, torch.Tensor], dict]:
         step = self.first + i
-        before = getattr(self.batches, "skipped", 0)
+        before = set(getattr(self.batches, "bad", ()))
         position = (step - 1) // self.sample_reuse
         batch = self.batches.batch(position) if self.reads is None else self.batches.batch(position, self.reads)
-        return step, batch, getattr(self.batches, "skipped", 0) - before
+        return step, batch, {k: v for k, v in getattr(self.batches, "bad", {}).items() if k not in before}
 
 
-def _one_thread(_: int) -> None:
+def _worker_setup(_: int) -> None:
     torch.set_num_threads(1)  # a worker decodes; the training process keeps the cores' threads
+    # Batches by shared-memory file name: the default (a file descriptor each tensor) makes the loop ask
+    # the worker's own thread for every descriptor, so a busy machine that has not scheduled the worker
+    # holds up a batch that was ready.
+    torch.multiprocessing.set_sharing_strategy("file_system")
 
 
 class StepLoader:
@@ -52,13 +57,13 @@ class StepLoader:
         self.workers, self.device, self.timeout_s = workers, device, timeout_s
         self.wait_s = 0.0
 
-    def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor], int]]:
+    def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor], dict]]:
         if not self.workers:
             source = (self.steps[i] for i in range(len(self.steps)))
         else:
             source = iter(DataLoader(self.steps, batch_size=None, shuffle=False, num_workers=self.workers,
                                      prefetch_factor=PREFETCH, pin_memory=self.device.type == "cuda",
-                                     worker_init_fn=_one_thread, timeout=self.timeout_s))
+                                     worker_init_fn=_worker_setup, timeout=self.timeout_s))
         try:
             while True:
                 tick = time.perf_counter()

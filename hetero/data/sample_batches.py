@@ -55,7 +55,7 @@ class SampleBatches:
         self.on_error, self.max_skip_fraction = on_error, max_skip_fraction
         total = sum(weights)
         self.quotas = [max(1, round(QUOTA * w / total)) for w in weights]
-        self.bad: set[Place] = set()
+        self.bad: dict[Place, str] = {}  # skipped samples, why
         self._lengths: dict[Place, int | None] = {}
         self._passes: dict[int, list[list[Place]]] = {}
         self._rows_before = [0]  # rows packed from the passes before pass k
@@ -95,10 +95,16 @@ class SampleBatches:
     def _skip(self, place: Place, reason: str) -> None:
         if place in self.bad:
             return
-        self.bad.add(place)
+        self.bad[place] = reason
         if len(self.bad) > self.max_skip_fraction * len(self):
             raise DataError(f"{len(self.bad)} samples of the {len(self)} in the {self.split} split were skipped, more "
                             f"than train.data.max_skip_fraction={self.max_skip_fraction}; the last: {reason}")
+
+    def skip(self, skipped: dict[Place, str]) -> None:
+        """Count samples skipped building batches elsewhere (a loader's workers, each on its own copy of
+        this object) as skipped here: each once, the job stopping past ``max_skip_fraction``."""
+        for place, reason in skipped.items():
+            self._skip(place, reason)
 
     def _guarded(self, place: Place, work):
         """``work()`` on the sample at ``place``, or None when the sample is skipped."""
@@ -112,16 +118,17 @@ class SampleBatches:
             self._skip(place, f"{skipped}: longer than the LLM's seq_len (train.data.too_long=skip)")
         return None
 
-    def _document(self, place: Place, decode: bool = True) -> Document:
-        """The sample at ``place`` as a row's content: its images decoded, or (``decode`` false) shaped from
-        the index, to be decoded only where read."""
+    def _document(self, place: Place, planned: bool = False) -> Document:
+        """The sample at ``place`` as a row's content: tokenized and its images decoded, or (``planned``)
+        shaped from the index, to be tokenized and decoded only where read."""
         index = self.indexes[place[0]]
         if place in self.bad or place[1] in index.bad:
             self._length(place)  # the index's verdict: raised or counted, as packing would
             return self.shaper.empty()
-        sizes = None if decode else [tuple(size) for size in index.image_sizes[index.images(place[1])].tolist()]
         sample = functools.partial(self.sources[place[0]].sample, place[1])
-        return self._guarded(place, lambda: self.shaper.document(sample(), sizes)) or self.shaper.empty()
+        if planned:
+            return self._guarded(place, lambda: self.shaper.planned(index, place[1], sample())) or self.shaper.empty()
+        return self._guarded(place, lambda: self.shaper.document(sample())) or self.shaper.empty()
 
     def _length(self, place: Place) -> int | None:
         if place not in self._lengths:
@@ -160,17 +167,17 @@ class SampleBatches:
         return rows
 
     def _shaped(self, rows: list[list[Place]], index: torch.Tensor, reads) -> dict[str, torch.Tensor]:
-        documents = [[self._document(place, decode=reads is None) for place in row] for row in rows]
+        documents = [[self._document(place, planned=reads is not None) for place in row] for row in rows]
         documents += [[]] * (self.global_batch_size - len(documents))
         try:
             return self.shaper.batch(documents, index, self.pack, reads)
-        except SampleError as err:  # decoded on this rank alone: the others cannot leave its row out
-            raise DataError(f"{err} (found decoding this rank's images; its header passed, so no rank skips it: "
-                            f"fix or remove the sample)") from None
+        except SampleError as err:  # read on this rank alone: the others cannot leave its row out
+            raise DataError(f"{err} (found reading this rank's rows and images; the sample index passed it, so no "
+                            f"rank skips it: fix or remove the sample)") from None
 
     def batch(self, step: int, reads=None) -> dict[str, torch.Tensor]:
-        """Step ``step``'s global batch; ``reads`` (``hetero.runtime.rows.ItemReads``): decode only the
-        images this rank's modules take."""
+        """Step ``step``'s global batch; ``reads`` (``hetero.runtime.rows.RankReads``): tokenize only the
+        rows and decode only the images this rank's modules take (``Shaper.batch``)."""
         rows = self._rows(step)
         if self.pack:  # a packed row is new each pass: numbered by its place in the stream of rows
             index = step * self.global_batch_size + torch.arange(self.global_batch_size)

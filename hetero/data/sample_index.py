@@ -2,7 +2,7 @@
 beside the data.
 
 For sample ``i``: its text tokens (the chat template's rendering with every image taking no position),
-where each image's placeholders begin among them, and each image's height and width from its header; or
+its supervised labels (the assistant's next tokens, which no image placeholder is), where each image's placeholders begin among them, and each image's height and width from its header; or
 why it is bad (``SampleError``: a missing file, an unreadable header, markers that do not match the
 images, an unknown role). Its length and its images' placeholders under any vision module follow from
 these without reading the sample again (``Shaper.plan``), so packing and the bad samples are planned
@@ -34,6 +34,7 @@ INDEX_DIR = ".hetero-index"
 @dataclass
 class SampleIndex:
     text_tokens: torch.Tensor  # (samples,) tokens of each sample's text
+    label_tokens: torch.Tensor  # (samples,) its next-token labels that carry a loss
     image_offsets: torch.Tensor  # (samples + 1,) sample i's images are rows offsets[i]..offsets[i+1] of the two below
     image_text_starts: torch.Tensor  # (images,) the text tokens before each image's placeholders
     image_sizes: torch.Tensor  # (images, 2) height, width from each image's header
@@ -43,7 +44,7 @@ class SampleIndex:
         return slice(int(self.image_offsets[sample]), int(self.image_offsets[sample + 1]))
 
 
-def _entry(source: SampleSource, index: int, tokenizer) -> tuple[int, list[int], list[tuple[int, int]]]:
+def _entry(source: SampleSource, index: int, tokenizer) -> tuple[int, int, list[int], list[tuple[int, int]]]:
     sample = source.sample(index)
     sample.check()
     sizes = []
@@ -59,22 +60,24 @@ def _entry(source: SampleSource, index: int, tokenizer) -> tuple[int, list[int],
     except ValueError as err:
         raise SampleError(f"{sample.where}: {err}") from None
     starts = [start - k for k, start in enumerate(encoded.image_starts)]
-    return len(encoded.tokens) - len(sample.images), starts, sizes
+    return len(encoded.tokens) - len(sample.images), sum(encoded.assistant[1:]), starts, sizes
 
 
 def build_index(source: SampleSource, tokenizer) -> SampleIndex:
-    tokens, offsets, starts, sizes, bad = [], [0], [], [], {}
+    tokens, labels, offsets, starts, sizes, bad = [], [], [0], [], [], {}
     for index in range(len(source)):
         try:
-            count, image_starts, image_sizes = _entry(source, index, tokenizer)
+            count, supervised, image_starts, image_sizes = _entry(source, index, tokenizer)
         except SampleError as err:
-            count, image_starts, image_sizes = 0, [], []
+            count, supervised, image_starts, image_sizes = 0, 0, [], []
             bad[index] = str(err)
         tokens.append(count)
+        labels.append(supervised)
         starts += image_starts
         sizes += image_sizes
         offsets.append(len(starts))
-    return SampleIndex(torch.tensor(tokens, dtype=torch.long), torch.tensor(offsets, dtype=torch.long),
+    return SampleIndex(torch.tensor(tokens, dtype=torch.long), torch.tensor(labels, dtype=torch.long),
+                       torch.tensor(offsets, dtype=torch.long),
                        torch.tensor(starts, dtype=torch.long), torch.tensor(sizes, dtype=torch.long).reshape(-1, 2), bad)
 
 

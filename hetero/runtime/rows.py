@@ -4,7 +4,9 @@ All of it is host-side bookkeeping (CPU tensors, made so explicitly). Microbatch
 presence flag for its kind's modality (``has_<modality>``) is set, or every row; its DP replicas split
 those rows into contiguous runs, earlier replicas taking the extra row. An edge carries the rows both its
 modules process, in order, so each replica on either side holds one contiguous run of them. Every rank
-holds the same global batch and computes the same answer, so all agree on shapes and skipped calls.
+holds the same bookkeeping (the batch's rows and its images' places; a loader may leave out the tokens
+and pixels the rank's modules do not read, ``RankReads``) and computes the same answer, so all agree on
+shapes and skipped calls.
 
 A module whose kind works on items (images: the batch's ``image_*`` columns, one entry per image,
 ``image_row`` naming the row each belongs to) processes the items of the microbatch's rows instead, and
@@ -148,28 +150,30 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ItemReads:
-    """The items (images) one rank's modules read from a batch: for each module of items whose first
-    pipeline stage the rank holds, its replica's items in every microbatch. A function of the batch's
-    per-row and per-item bookkeeping alone (``image_row``, ``image_start``, ``image_grid``), so a loader
-    can tell which images to decode before it decodes any."""
+class RankReads:
+    """What one rank's modules read of a batch, as global row and item numbers: for each module the rank
+    holds, its replica's share in every microbatch, at every pipeline stage (each stage takes its replica's
+    columns: the first the inputs, the last the labels). Rows for the modules reading per-row columns
+    (tokens), items for the modules of items (images). A function of the batch's bookkeeping alone (its
+    ``index`` and ``image_row``, ``image_start``, ``image_grid``), so a loader can tell what to tokenize
+    and what to decode before it does either."""
 
     graph: Graph
     microbatches: int
     replicas: tuple[tuple[str, int], ...]  # (module, the rank's DP coordinate in it)
 
-    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        rows = StepRows(self.graph, batch, self.microbatches)
-        parts = [rows.local(name, m, dp) for name, dp in self.replicas for m in range(self.microbatches)]
-        return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.long, device="cpu")
+    def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows, the items) this rank reads, each ascending."""
+        plan = StepRows(self.graph, batch, self.microbatches)
+        rows, items = [], []
+        for name, dp in self.replicas:
+            (items if name in plan.items else rows).extend(plan.local(name, m, dp) for m in range(self.microbatches))
+        none = torch.zeros(0, dtype=torch.long, device="cpu")
+        return tuple(torch.unique(torch.cat(part)) if part else none for part in (rows, items))
 
 
-def item_reads(graph: Graph, microbatches: int, rank: int) -> ItemReads:
-    """What rank ``rank`` reads of a batch's items: its replica of every module of items whose data it
-    takes (the module's first pipeline stage)."""
-    replicas = []
-    for name in graph.placement.modules_on(rank):
-        node, coord = graph.nodes[name], graph.placement.coord(name, rank)
-        if coord.pp == 0 and node.kind.per_item(node.config) and node.kind.data_keys(node.config):
-            replicas.append((name, coord.dp))
-    return ItemReads(graph, microbatches, tuple(replicas))
+def rank_reads(graph: Graph, microbatches: int, rank: int) -> RankReads:
+    """What rank ``rank`` reads of a batch: its replica of every module it holds that reads batch columns."""
+    replicas = tuple((name, graph.placement.coord(name, rank).dp) for name in graph.placement.modules_on(rank)
+                     if graph.nodes[name].kind.data_keys(graph.nodes[name].config))
+    return RankReads(graph, microbatches, replicas)

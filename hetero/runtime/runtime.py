@@ -30,7 +30,7 @@ from hetero.runtime.executor import Executor, RuntimeEdge
 from hetero.runtime.routed_edge import RoutedEdge
 from hetero.runtime.links import StageLinks
 from hetero.runtime.module import ModuleState
-from hetero.runtime.rows import ITEM_PREFIX, ItemReads, StepRows, item_reads
+from hetero.runtime.rows import ITEM_PREFIX, RankReads, StepRows, rank_reads
 from hetero.runtime.schedule import check_schedule
 from hetero.runtime.timing import ModuleTimer
 from hetero.runtime.trace import StepTrace
@@ -84,9 +84,10 @@ class Runtime:
     def _span(self, name: str):
         return self.trace.span(name, "step_end") if self.trace is not None else contextlib.nullcontext()
 
-    def item_reads(self) -> ItemReads:
-        """Which items of a batch this rank's modules read (``ItemReads``): what a loader must decode here."""
-        return item_reads(self.graph, self.microbatches, self.rank)
+    def rank_reads(self) -> RankReads:
+        """Which rows and items of a batch this rank's modules read (``RankReads``): what a loader must
+        tokenize and decode here."""
+        return rank_reads(self.graph, self.microbatches, self.rank)
 
     # ----------------------------------------------------------------------------------- a step
 
@@ -161,7 +162,9 @@ class Runtime:
         and id ranges), a declared per-row column of another row count, or an image outside its row. A
         pure function of the global batch (shapes and dtypes, and one min/max of bounded ids), checked
         before the step's first message: every rank raises the same ``ValueError``, whichever modules it
-        holds, and none waits on another."""
+        holds, and none waits on another. A loader that leaves out the tokens and pixels a rank does not
+        read (``RankReads``) keeps every shape but the pixels', which ``image_held`` counts, and ids in range
+        (its tokenizer is checked against the vocabulary before launch)."""
         errors = [error for name, node in self.graph.nodes.items()
                   for error in node.kind.batch_errors(name, node.config, batch)]
         first = next((key for key in batch if not key.startswith(ITEM_PREFIX)), None)

@@ -2,10 +2,10 @@
 
 ``train(experiment)`` checks the experiment and builds its graph, finds and verifies the checkpoint to
 resume from (all before any process group exists), joins the launcher's world, builds the runtime, and
-runs the loop under the fault guard: a training step per batch, a progress line every ``log_every``
-steps (every module's loss, the gradient norm, each communicator's bytes), held-out evaluations every
-``eval_every`` steps and at the end (every module's losses and metrics), checkpoints every
-``checkpoint.every`` steps, and a summary.
+runs the loop under the fault guard: a training step per batch (once every rank has built its own), a
+progress line every ``log_every`` steps (every module's loss, the gradient norm, each communicator's
+bytes), held-out evaluations every ``eval_every`` steps and at the end (every module's losses and
+metrics), checkpoints every ``checkpoint.every`` steps, and a summary.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from hetero.kinds.registry import KindRegistry
 from hetero.parallel.mesh import init_distributed
 from hetero.runtime import Runtime, build_runtime
 from hetero.train.checkpoint import Checkpointer, RunIdentity, check_resumable, resolve_resume
+from hetero.train.data_agreement import agreed
 from hetero.train.faults import FaultGuard, NonFiniteError, describe_rank
 from hetero.train.run_log import RunLog
 
@@ -103,13 +104,19 @@ def _loop(job: Job, start: int) -> dict[str, float]:
     started = time.perf_counter()
     evaluated: dict[str, float] = {}
     metrics = {"loss": math.nan}
-    reads = runtime.item_reads() if cfg.data.per_rank and isinstance(train_batches, SampleBatches) else None
+    reads = runtime.rank_reads() if cfg.data.per_rank and isinstance(train_batches, SampleBatches) else None
     loader = StepLoader(train_batches, start + 1, cfg.steps, cfg.sample_reuse, cfg.data.workers, runtime.device,
                         experiment.timeout_s, reads)
-    tick, waited, skipped = time.perf_counter(), [], 0  # the first step's time includes starting the workers
-    for step, batch, newly_skipped in loader:
+    tick, waited = time.perf_counter(), []  # the first step's time includes starting the workers
+    batches, step = iter(loader), start
+    while True:
+        item = agreed(lambda: next(batches, None), runtime.device, f"its batch for step {step + 1}")
+        if item is None:
+            break
+        step, batch, skipped = item
         waited.append(loader.wait_s)
-        skipped += newly_skipped
+        if skipped:  # by a worker, on its own copy of the batches
+            train_batches.skip(skipped)
         with guard.step(f"step {step}"):
             metrics = runtime.train_step(batch)
         if cfg.sample_log:
@@ -122,7 +129,7 @@ def _loop(job: Job, start: int) -> dict[str, float]:
                      "data_wait_ms": 1e3 * sum(waited) / len(waited)}
             waited.clear()
             if hasattr(train_batches, "skipped"):  # users' samples, under train.data.on_error=skip
-                speed["data/skipped"] = float(skipped)
+                speed["data/skipped"] = float(train_batches.skipped)
             log.progress(step, metrics | speed | _residuals(runtime) | _compensation(runtime) | expert_routing(runtime),
                          communicator_bytes(runtime))
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
@@ -142,8 +149,9 @@ def _loop(job: Job, start: int) -> dict[str, float]:
 
 def evaluate(runtime: Runtime, heldout: splits.Batches, max_batches: int = 0, reads=None) -> dict[str, float]:
     """Held-out losses and metrics over the first ``max_batches`` full held-out batches (0: all); ``reads``:
-    the images this rank decodes (users' formats)."""
-    batches = heldout.ordered_batches() if reads is None else heldout.ordered_batches(reads)
+    the rows and images this rank reads (users' formats, ``RankReads``)."""
+    batches = agreed(lambda: heldout.ordered_batches() if reads is None else heldout.ordered_batches(reads),
+                     runtime.device, "its held-out batches")
     full = (b for b in batches if len(next(iter(b.values()))) == heldout.global_batch_size)
     return runtime.evaluate(itertools.islice(full, max_batches or None))
 

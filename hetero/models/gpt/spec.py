@@ -98,7 +98,10 @@ class GPTKind(Kind):
         row = (Dim("seq_len", config.seq_len),)
         ids = dict(dtype=LONG, high=config.vocab_size, bound="vocab_size")
         return (Column("tokens", row, **ids), Column("labels", row, ignore=IGNORE_INDEX, **ids),
-                Column("documents", row, INTEGER, optional=True))
+                Column("documents", row, INTEGER, optional=True),
+                Column("label_counts", (), INTEGER, high=config.seq_len + 1, optional=True,
+                       meaning=f"the labels of a row that carry a loss, 0..seq_len={config.seq_len}",
+                       fix="count each row's labels other than the ignored ones"))
 
     def batch_errors(self, module: str, config: GPTConfig, batch: dict[str, torch.Tensor]) -> list[str]:
         errors = super().batch_errors(module, config, batch)
@@ -127,6 +130,10 @@ class GPTKind(Kind):
         return {"hidden": Port(config.hidden_size, tokens=config.seq_len, field="hidden_size", sequence=True)}
 
     def loss_count(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> int:
+        """The supervised labels of ``rows``: ``label_counts`` where the batch has it (a loader that leaves
+        out the rows a rank does not read), else counted."""
+        if "label_counts" in batch:
+            return int(batch["label_counts"][rows].sum())
         return int((batch["labels"][rows] != IGNORE_INDEX).sum())
 
     def stage_shape(self, config: GPTConfig, rows: int, layout: Layout, options: ParallelOptions) -> tuple[int, ...]:

@@ -77,13 +77,19 @@ class ViTKind(Kind):
         return torch.full((len(batch["image_row"]),), config.num_patches, dtype=torch.long, device="cpu")
 
     def host_columns(self, config, batch, keys, local):
-        if not config.max_patches:
+        """Images ``local`` (global numbers); a batch with ``image_held`` holds the pixels of those images
+        alone (a loader that reads only the rank's own)."""
+        if not config.per_item:
             return super().host_columns(config, batch, keys, local)
-        sizes = batch["image_grid"].cpu().prod(1)
+        held = _held_positions(batch, local)
+        if not config.max_patches:
+            return {"image_pixels": batch["image_pixels"][held]}
+        grids = batch["image_grid"].cpu()
+        sizes = grids[batch["image_held"].cpu()].prod(1) if "image_held" in batch else grids.prod(1)
         starts = sizes.cumsum(0) - sizes
-        patches = torch.cat([torch.arange(int(starts[i]), int(starts[i] + sizes[i]), device="cpu") for i in local.tolist()]
+        patches = torch.cat([torch.arange(int(starts[i]), int(starts[i] + sizes[i]), device="cpu") for i in held.tolist()]
                             or [torch.zeros(0, dtype=torch.long, device="cpu")])
-        return {"image_patches": batch["image_patches"][patches], "image_grid": batch["image_grid"][local]}
+        return {"image_patches": batch["image_patches"][patches], "image_grid": grids[local]}
 
     def columns(self, config: ViTConfig) -> tuple[Column, ...]:
         side = Dim("image_size", config.image_size)
@@ -108,10 +114,14 @@ class ViTKind(Kind):
         errors = super().batch_errors(module, config, batch)
         if errors or not config.per_item:
             return errors
-        counted = "image_grid" if config.max_patches else "image_pixels"
+        held = batch.get("image_held")  # pixels of these images alone: a loader reading only the rank's own
+        counted = "image_grid" if config.max_patches else "image_pixels" if held is None else "image_row"
         images = len(batch[counted])
         errors = [f"{module}: the batch holds {images} images ({counted}) but {len(batch[key])} {key} entries; give "
                   f"every image one" for key in ("image_row", "image_start") if len(batch[key]) != images]
+        if not errors and held is not None and not config.max_patches and len(batch["image_pixels"]) != len(held):
+            errors = [f"{module}: the batch holds the pixels of {len(batch['image_pixels'])} images but image_held "
+                      f"names {len(held)}; give the pixels of each image it names"]
         if errors or not config.max_patches:
             return errors
         sizes = batch["image_grid"].cpu().prod(1)
@@ -120,9 +130,12 @@ class ViTKind(Kind):
                   f"shrink it to fit (hetero.data.native_images.fit_to_patches keeps its aspect ratio) or raise "
                   f"{module}.model.max_patches" for i in torch.nonzero(sizes > config.max_patches).flatten().tolist()[:1]]
         width = config.channels * config.patch_size**2
+        if held is not None:
+            sizes = sizes[held.cpu()]
         if tuple(batch["image_patches"].shape) != (int(sizes.sum()), width):
             errors.append(f"{module}: image_patches has shape {tuple(batch['image_patches'].shape)} but image_grid "
-                          f"counts {int(sizes.sum())} patches of {width} values (channels × patch_size²)")
+                          f"counts {int(sizes.sum())} patches of {width} values (channels × patch_size²)"
+                          + (" in the images image_held names" if held is not None else ""))
         return errors
 
     def outputs(self, config: ViTConfig) -> dict[str, Port]:
@@ -145,3 +158,17 @@ class ViTKind(Kind):
         if not step.mesh.is_last_stage:
             return StageResult(activation=out)
         return StageResult(outputs={"embeddings": out})
+
+
+def _held_positions(batch: dict[str, torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+    """Where images ``local`` (global numbers) sit among the batch's pixels: themselves, or, in a batch
+    holding only ``image_held``'s images, their places in it."""
+    held = batch.get("image_held")
+    if held is None:
+        return local
+    positions = torch.searchsorted(held.cpu(), local).clamp(max=max(len(held) - 1, 0))
+    missing = local[held.cpu()[positions] != local] if len(held) else local
+    if len(missing):
+        raise RuntimeError(f"the batch lacks the pixels of images {missing.tolist()[:8]} that this rank's replica "
+                           f"encodes; its loader read only {held.tolist()[:8]}… (hetero.runtime.rows.RankReads)")
+    return positions

@@ -19,7 +19,7 @@ def _layout(args: argparse.Namespace) -> None:
     experiment = load_experiment(name, overrides)
     graph = build_graph(experiment)
     splits.open_sources(experiment, graph)
-    description = rank_map(experiment, graph.placement)
+    description = rank_map(experiment, graph.placement, {name: graph.training(name) for name in graph.nodes})
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
 
 
@@ -52,6 +52,7 @@ BENCHMARKS = {
     "compression": "hetero.bench.compression",
     "cp-attention": "hetero.bench.cp_attention",
     "data": "hetero.bench.data",
+    "frozen": "hetero.bench.frozen",
     "dechunk": "hetero.bench.dechunk",
     "genezip": "hetero.bench.genezip",
     "hf-load": "hetero.bench.hf_load",

@@ -89,10 +89,13 @@ class EdgeConfig:
 
 @dataclass
 class InitConfig:
-    """Where a module's weights start: seeded random (default), or a Hugging Face checkpoint directory
-    (``hf``: its ``config.json`` gives the model's sizes, its safetensors the weights)."""
+    """Where a module's weights start: seeded random (default), a Hugging Face checkpoint directory
+    (``hf``: its ``config.json`` gives the model's sizes, its safetensors the weights), or the same module
+    of an earlier hetero run (``checkpoint``: a ``step_*`` directory, saved under any layouts; its weights
+    only, as a next training stage starts: the optimizer, the step and the data start afresh)."""
 
     hf: str | None = None
+    checkpoint: str | None = None
 
 
 @dataclass
@@ -106,6 +109,8 @@ class ModuleConfig:
     micro_batch_size: int | None = None
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     loss_weight: float = 1.0  # this module's own loss in the combined loss (kinds that have one)
+    trainable: bool = True  # false: frozen (no weight gradients, optimizer state or gradient sync)
+    frozen: list[str] = field(default_factory=list)  # parameters kept frozen, by glob (e.g. "layers.0.*")
 
 
 @dataclass

@@ -102,12 +102,16 @@ def build(modules: dict[str, torch.nn.Module], name: str, index: int, make) -> N
     modules[name] = make()
 
 
-def reference(vision_config: ViTConfig):
+def reference(vision_config: ViTConfig, frozen=lambda module, parameter: False):
+    """One process; ``frozen(module, parameter)``: the parameters it trains with ``requires_grad=False``."""
     modules: dict[str, torch.nn.Module] = {}
     build(modules, "vision", 0, lambda: VisionEncoder(vision_config))
     build(modules, "projector", 1, lambda: MLPProjector(PROJECTOR.in_size, PROJECTOR.out_size))
     modules["projector"].reset_parameters()
     build(modules, "llm", 2, lambda: GPT(LLM))
+    for name, model in modules.items():
+        for parameter, param in model.named_parameters():
+            param.requires_grad_(not frozen(name, parameter))
 
     def loss(batch, step):
         rows = []
@@ -129,9 +133,12 @@ def expected():
     return reference(VISION)
 
 
-def items_experiment(world_size: int, layouts: dict, vision: ViTConfig = VISION, projector=PROJECTOR, edges=None):
+def items_experiment(world_size: int, layouts: dict, vision: ViTConfig = VISION, projector=PROJECTOR, edges=None,
+                     settings=None):
+    """``settings``: per module, more of its block (e.g. ``trainable``)."""
     kinds = {"vision": ("vit", vision), "projector": ("projector", projector), "llm": ("gpt", LLM)}
-    modules = {name: module(kind, config, layouts[name], OPTIM[name]) for name, (kind, config) in kinds.items()}
+    modules = {name: module(kind, config, layouts[name], OPTIM[name], **(settings or {}).get(name, {}))
+               for name, (kind, config) in kinds.items()}
     return experiment(world_size, modules, edges=edges or [("vision", "projector"), ("projector", "llm")],
                       global_batch=ROWS, microbatches=2, grad_clip=CLIP)
 

@@ -308,3 +308,26 @@ def test_predict_configured_full_graphs():
     assert plan.step_s == pytest.approx(graph_pipeline_s(sides, plan.costs["llm"].microbatches) + plan.boundary_s)
     experiment = load_experiment("full_graph_colocated")
     assert predict_configured(experiment, build_graph(experiment).placement, cluster).mode in ("colocated", "colocated_1f1b")
+
+
+def test_a_frozen_module_is_priced_as_what_it_runs():
+    """LLaVA's stage 1: the tower forward only, the LLM forward and its inputs' gradients (to the trained
+    projector), neither with gradient sync, optimizer or gradients in memory."""
+    trained = workload_of(load_experiment("own_data_vlm"))
+    frozen = workload_of(load_experiment("own_data_vlm", ["vision.trainable=false", "llm.trainable=false"]))
+    assert [(m.name, m.training) for m in (frozen.llm, *frozen.others.values())] == [
+        ("llm", "inputs"), ("vision", "forward"), ("projector", "full")]
+    model = CostModel(ClusterSpec(nodes=1, gpus_per_node=8))
+    choice = Choice(tp=2, dp=2)
+    for name, passes in (("vision", 1), ("llm", 2), ("projector", 3)):
+        def cost(workload):
+            module = workload.llm if name == "llm" else workload.others[name]
+            return module, model.module_cost(module, choice, 16)
+        (module, full), (frozen_module, part) = cost(trained), cost(frozen)
+        assert frozen_module.model_flops_per_sample == pytest.approx(module.model_flops_per_sample * passes / 3)
+        if passes == 3:
+            assert part == full
+            continue
+        assert part.dp_s == part.optimizer_s == 0 < full.dp_s and part.compute_s < full.compute_s
+        assert part.memory_bytes < full.memory_bytes
+        assert part.tp_s == pytest.approx(full.tp_s * (0.5 if passes == 1 else 1.0), rel=0.05)

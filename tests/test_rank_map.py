@@ -10,7 +10,7 @@ import yaml
 
 from hetero.cli import main
 from hetero.config import CONFIG_DIR
-from hetero.data.example import write_llava
+from hetero.data.example import write_llava, write_webdataset
 from layout_oracle import grid_coords, modules_of_yaml
 
 SHIPPED = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
@@ -43,10 +43,12 @@ def hetero(*args):
 def data(tmp_path_factory):
     """Overrides that point an experiment on users' files (``hetero layout`` opens them) at an example."""
     conversations = write_llava(tmp_path_factory.mktemp("example"), 40, seed=0)
+    captions = write_webdataset(tmp_path_factory.mktemp("captions"), 40, seed=0)[0].parent
 
     def overrides(config: str) -> list[str]:
         data = yaml.safe_load((CONFIG_DIR / "experiment" / f"{config}.yaml").read_text()).get("train", {}).get("data", {})
-        return [f"train.data.path={conversations}"] if data.get("format") == "llava" else []
+        paths = {"llava": [f"train.data.path={conversations}"], "webdataset": [f"train.data.path={captions}"]}
+        return paths.get(data.get("format"), [])
 
     return overrides
 

@@ -8,8 +8,13 @@ an input nothing feeds, and settings the runtime does not support yet.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
+
 from hetero.config import ExperimentConfig
 from hetero.errors import ConfigError
+from hetero.graph.frozen import frozen_errors
 from hetero.graph.graph import Edge, Graph, Node
 from hetero.models import default_registry
 from hetero.kinds.registry import KindRegistry, Port
@@ -32,6 +37,13 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
         for i, (name, module) in enumerate(experiment.modules.items())
     }
     errors: list[str] = []
+    for name, node in nodes.items():
+        frozen, trains = _frozen(node)
+        errors += frozen
+        nodes[name] = replace(node, trains=trains)
+        if node.settings.init.hf is not None and node.settings.init.checkpoint is not None:
+            errors.append(f"{name}.init: hf and checkpoint both set; a module starts from one of them (checkpoint: "
+                          f"an earlier hetero run's weights of {name}, hf: a Hugging Face checkpoint)")
     for node in nodes.values():
         errors += node.kind.errors(node.name, node.config, node.layout, node.options)
         errors += node.options.errors(node.name)
@@ -48,6 +60,17 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
     _check_connected(nodes, edges)
     schedule = resolve_schedule(experiment, placement)
     return Graph(nodes, tuple(edges), order, placement, schedule)
+
+
+def _frozen(node: Node) -> tuple[list[str], bool]:
+    """The module's ``frozen`` globs that match nothing, and whether it trains any parameter (its
+    parameters' names from a build on the meta device: nothing allocated)."""
+    settings = node.settings
+    if not settings.frozen:
+        return [], settings.trainable
+    with torch.device("meta"):
+        names = [name for name, _ in node.kind.build(node.config).named_parameters()]
+    return frozen_errors(node.name, settings, names)
 
 
 def _expert_errors(node: Node) -> list[str]:

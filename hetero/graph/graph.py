@@ -24,6 +24,7 @@ class Node:
     config: Any
     layout: Layout
     settings: ModuleConfig
+    trains: bool = True  # some parameter of it is trained (``trainable`` and not every one ``frozen``)
 
     @property
     def options(self):
@@ -75,6 +76,18 @@ class Graph:
 
     def is_sink(self, name: str) -> bool:
         return not self.out_edges(name)
+
+    def backward(self, name: str) -> bool:
+        """Whether module ``name`` runs backward in training: it trains, or a module it reads from does
+        (then it passes its inputs' gradients back, frozen or not)."""
+        return self.nodes[name].trains or any(self.backward(e.src) for e in self.in_edges(name))
+
+    def training(self, name: str) -> str:
+        """What training runs of module ``name``: ``trained``; ``frozen, input gradients`` (it passes
+        gradients back to a trained module it reads from); ``frozen, forward only``."""
+        if self.nodes[name].trains:
+            return "trained"
+        return "frozen, input gradients" if self.backward(name) else "frozen, forward only"
 
     def depth_after(self, name: str) -> int:
         """Pipeline stages on the longest path from ``name``'s last stage to a sink (its own excluded)."""

@@ -16,12 +16,15 @@ from hetero.parallel.placement import Placement
 COLUMNS = ("rank", "module", "tp", "cp", "dp", "ep", "pp", "colocated_with")
 
 
-def rank_map(experiment: ExperimentConfig, placement: Placement) -> dict[str, Any]:
-    """A JSON-ready description of the placement: modules and one row per (rank, module)."""
+def rank_map(experiment: ExperimentConfig, placement: Placement, training: dict[str, str] | None = None
+             ) -> dict[str, Any]:
+    """A JSON-ready description of the placement: modules and one row per (rank, module); ``training``:
+    per module what training runs of it (``Graph.training``), shown beside a frozen one."""
     modules = {
         name: {"kind": experiment.modules[name].kind}
         | {axis: getattr(layout, axis) for axis in ("tp", "cp", "dp", "ep", "pp")}
         | {"ranks": list(layout.ranks)}
+        | ({"training": training[name]} if training else {})
         for name, layout in placement.layouts.items()
     }
     rows = []
@@ -56,7 +59,9 @@ def format_rank_map(description: dict[str, Any]) -> str:
     for name, module in description["modules"].items():
         degrees = " ".join(f"{axis}{module[axis]}" for axis in reversed(MESH_AXES))
         degrees += f" ep{module['ep']}" if module["ep"] > 1 else ""
-        lines.append(f"  {name:<12} {module['kind']:<{kind_width}} {degrees}  ranks {format_ranks(module['ranks'])}")
+        frozen = f"  ({module['training']})" if module.get("training", "trained") != "trained" else ""
+        lines.append(f"  {name:<12} {module['kind']:<{kind_width}} {degrees}  ranks {format_ranks(module['ranks'])}"
+                     f"{frozen}")
     lines.append("")
     table = [list(COLUMNS)]
     for row in description["ranks"]:

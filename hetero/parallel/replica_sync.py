@@ -46,15 +46,17 @@ class ReplicaSync:
         self.replicas = 1 if mesh is None else mesh.layout.dp * mesh.layout.cp
         self.grad_sync: GradSync | None = None
         self.diloco: DiLoCo | None = None
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen ones never change
+        if not named:
+            return
         if self.compression.diloco.enabled:
             if outer_comm is None and self.replicas == 1:
                 return  # one replica: nothing to average, DiLoCo would only add outer steps
             comm = outer_comm or GroupCollective(mesh.group("dp_cp"))  # type: ignore[union-attr]
-            self.diloco = build_diloco(self.compression, model.named_parameters(), comm, seed)
+            self.diloco = build_diloco(self.compression, named, comm, seed)
         elif not options.fsdp:
             bucket_bytes = int(options.grad_bucket_mb * 2**20)
             reduce_dtype = REDUCE_DTYPES[options.reduce_precision]
-            named = list(model.named_parameters())
             syncs = []
             if self.replicas > 1:
                 comm = GroupCollective(mesh.group("grad_sync"))  # type: ignore[union-attr]

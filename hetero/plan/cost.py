@@ -11,6 +11,11 @@ compression). A 1F1B pipeline runs ``m + pp - 1`` slots of its slowest stage. Me
 weights, gradients and optimizer state of its shard plus the activations its in-flight microbatches keep
 (every layer's saved tensors, or only the layer inputs under recomputation).
 
+A frozen module (``Transformer.training``) is priced as what it runs: ``"inputs"`` (frozen, below a
+trained module) a forward and the inputs' half of the backward, no gradient sync, no optimizer, its
+weights alone in memory; ``"forward"`` (nothing trained at or above it) the forward only, keeping no
+activations beyond one layer's working set.
+
 A module is one or more stacks of identical layers, each at its own tokens per sample: GeneZip's encoder
 and decoder at the bases, its main network at the chunks; the video generator over its training sequence
 of clean and noisy frames. What lies outside the layers of those two kinds is a list of GEMMs.
@@ -38,6 +43,8 @@ from hetero.models.vit.config import ViTConfig
 from hetero.plan.cluster import ClusterSpec, LinkSpec
 
 GIB = 1024**3
+# Passes of the forward's cost per training mode: forward, the inputs' gradients, the weights' gradients.
+TRAINING_PASSES = {"full": TRAINING_MULTIPLIER, "inputs": TRAINING_MULTIPLIER - 1, "forward": 1}
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class Transformer:
     idle_ffn: int = 0  # gpt with experts: the units of the experts a token skips (memory, no compute); ffn is the active ones
     stacks: tuple[Stack, ...] = ()  # genezip, video: the layers at each token count (``layers`` is their sum)
     outer: tuple[Gemm, ...] = ()  # genezip, video: the matmuls outside the layers
+    training: str = "full"  # full | inputs (frozen: input gradients only) | forward (frozen, nothing trained above)
 
     @property
     def head_dim(self) -> int:
@@ -357,7 +365,9 @@ class CostModel:
         first_layers = math.ceil(module.layers / pp) if first_stage_layers is None or pp == 1 else first_stage_layers
         later_layers = math.ceil((module.layers - first_layers) / (pp - 1)) if pp > 1 else 0
         layers_per_stage = max(first_layers, later_layers)
-        passes = TRAINING_MULTIPLIER + (1 if choice.recompute else 0)
+        backward = module.training != "forward"
+        recompute = choice.recompute and backward
+        passes = TRAINING_PASSES[module.training] + (1 if recompute else 0)
 
         first, last = (passes * t for t in self.outer_forward_s(module, choice))
         tp_link, cp_link = self.cluster.link(tp), self.cluster.link(tp * cp)
@@ -370,15 +380,16 @@ class CostModel:
         for stack in module.stack_list:
             stack_tokens = choice.micro * math.ceil(stack.seq / cp)
             # TP: the attention and MLP outputs are all-reduced in forward, their input gradients in backward.
-            tp_s = (4 + (2 if choice.recompute else 0)) * allreduce_s(stack_tokens * module.hidden * act, tp, tp_link)
+            tp_s = ((4 if backward else 2) + (2 if recompute else 0)) * allreduce_s(stack_tokens * module.hidden * act, tp,
+                                                                                    tp_link)
             if tp > 1:
                 tp_s += passes / TRAINING_MULTIPLIER * self.device.tp_layer_overhead_us * 1e-6
             kv_bytes = 2 * choice.micro * stack.seq * module.kv_heads * module.head_dim / tp * act
-            cp_s = (2 + (1 if choice.recompute else 0)) * allgather_s(kv_bytes, cp, cp_link)
+            cp_s = ((2 if backward else 1) + (1 if recompute else 0)) * allgather_s(kv_bytes, cp, cp_link)
             tp_layer.append(tp_s)
             cp_layer.append(cp_s)
             per_layer.append(passes * self.layer_forward_s(module, choice, stack) + tp_s + cp_s)
-            saved.append(stack_tokens * (module.hidden if choice.recompute else per_token) * act / tp)
+            saved.append(0.0 if not backward else stack_tokens * (module.hidden if recompute else per_token) * act / tp)
             whole.append(stack_tokens * per_token * act / tp)
         if pp > 1:
             stage_s = max(first_layers * per_layer[0] + first + extra_first_stage_s,
@@ -399,10 +410,12 @@ class CostModel:
         dp_s = allreduce_s(4 * stage_params * grad_ratio, dp * cp, dp_link)  # CP ranks hold the same weights
         state = stage_params * (16 if self.device.precision == "fp32" else 6 + 12 / (dp * cp))
         optimizer_s = self.elementwise_s(4, stage_params * 28 / (1 if self.device.precision == "fp32" else dp * cp))
+        if module.training != "full":  # frozen: fp32 weights only, nothing to sync or update
+            dp_s, optimizer_s, state = 0.0, 0.0, 4 * stage_params
 
         in_flight = min(held_microbatches or pp, microbatches)
         activations = sum(n * in_flight * per for n, per in zip(stage_layers, saved))
-        if choice.recompute:  # one layer's full activations while it is recomputed
+        if recompute or not backward:  # one layer's full activations while it is (re)computed
             activations += max(whole)
         logits = 2 * tokens * module.vocab / tp * 4 if module.kind == "gpt" else 0.0
         return ModuleCost(

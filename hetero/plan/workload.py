@@ -3,13 +3,15 @@ condition, read off an experiment (``workload_of``), with the wire bytes its com
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from hetero.config import ExperimentConfig
 from hetero.errors import ConfigError
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
 from hetero.parallel.compression.edge_config import ActivationCodecConfig, EdgeCompressionConfig
-from hetero.plan.cost import Transformer, describe
+from hetero.kinds.flops import TRAINING_MULTIPLIER
+from hetero.plan.cost import TRAINING_PASSES, Transformer, describe
 
 
 @dataclass
@@ -146,8 +148,31 @@ def workload_of(
     boundaries = {e.src: b for e in experiment.edges if e.dst == llm and (b := edge_wire_bytes(e.compression, act))}
     boundaries |= {e.dst: b for e in experiment.edges if e.src == llm and (b := edge_wire_bytes(e.compression, act))}
     stages = edge_wire_bytes(experiment.modules[llm].compression.pipeline, act)
-    return Workload(describe(llm, "gpt", llm_config, context), encoders, sequences, per_sequence, ratios,
-                    boundaries, stages, consumers=consumers)
+    modes = training_modes(experiment)
+    encoders = {name: priced(module, modes[name]) for name, module in encoders.items()}
+    consumers = {name: priced(module, modes[name]) for name, module in consumers.items()}
+    return Workload(priced(describe(llm, "gpt", llm_config, context), modes[llm]), encoders, sequences,
+                    per_sequence, ratios, boundaries, stages, consumers=consumers)
+
+
+def training_modes(experiment: ExperimentConfig) -> dict[str, str]:
+    """Per module what training runs of it (``Transformer.training``): ``full`` unless ``trainable:
+    false``; a frozen module ``inputs`` when a module it reads from (at any distance) trains, else
+    ``forward``. (Globs in ``frozen`` leave a module priced as trained.)"""
+    modes: dict[str, str] = {}
+
+    def backward(name: str) -> bool:
+        return experiment.modules[name].trainable or any(backward(e.src) for e in experiment.edges if e.dst == name)
+
+    for name, module in experiment.modules.items():
+        modes[name] = "full" if module.trainable else "inputs" if backward(name) else "forward"
+    return modes
+
+
+def priced(module: Transformer, training: str) -> Transformer:
+    """``module`` under ``training``, its model FLOPs the passes it runs (forward 1, inputs 2, full 3)."""
+    flops = module.model_flops_per_sample * TRAINING_PASSES[training] / TRAINING_MULTIPLIER
+    return dataclasses.replace(module, training=training, model_flops_per_sample=flops)
 
 
 def _reaching(experiment: ExperimentConfig, target: str, backward: bool) -> set[str]:

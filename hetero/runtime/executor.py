@@ -111,19 +111,20 @@ class Executor:
                            f"(it has {', '.join(self.batch)})")
         host = node.kind.host_columns(node.config, self.batch, keys, local)
         data = {k: to_device(v, module.device) for k, v in host.items()}
+        backward = self.training and self.graph.backward(name)  # else forward only: no autograd graph
         received = None
         if not mesh.is_first_stage:
             received = self.runtime.links[name].recv_activation(m, self._stage_shape(name, local))
-            received = received.detach().requires_grad_(self.training)
+            received = received.detach().requires_grad_(backward)
         step = StageStep(node.config, mesh, node.options, module.device, data,
                          host, local, self.arrivals.pop((name, m), []) if mesh.is_first_stage else [], received,
                          self.training, self.step, self.runtime.seed, self.counts.get(name, 1),
                          len(self.rows.all(name)))
         autocast = torch.autocast(module.device.type, dtype=torch.bfloat16, enabled=node.options.precision == "bf16")
         with self._traced(name, "compute"), self.runtime.timer.timed(name), node.kind.compute(mesh), \
-                torch.set_grad_enabled(self.training), autocast:
+                torch.set_grad_enabled(backward), autocast:
             result = node.kind.stage(module.model, step)
-        if self.training:
+        if backward:
             self.saved[(name, m)] = (received, result)
         if not mesh.is_last_stage:
             self.runtime.links[name].send_activation(m, result.activation.detach())
@@ -159,9 +160,12 @@ class Executor:
                     output = result.outputs[port]
                     tensors.append(output)
                     grads.append(returned.get(port, torch.zeros_like(output)))
-                if tensors:
-                    torch.autograd.backward(tensors, grads)
-            else:
+                # A frozen module's microbatch that reads nothing trained (no image in it) has no graph; its
+                # ranks that share rows (TP, CP) share the inputs, so all of them skip it alike.
+                kept = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
+                if kept:
+                    torch.autograd.backward(*map(list, zip(*kept)))
+            elif result.activation.requires_grad:
                 result.activation.backward(upstream)
         if final:
             module.replica_sync.final_backward_ends()
@@ -196,7 +200,7 @@ class Executor:
         out = runtime_edge.forward(m, x, split)
         if runtime_edge.is_destination:
             dst = self.runtime.modules[edge.dst]
-            leaf = out.detach().requires_grad_(self.training)
+            leaf = out.detach().requires_grad_(self.training and self.graph.backward(edge.src))
             self.delivered[(edge_name, m)] = leaf
             positions = self.rows.positions(edge, m, edge.dst, dst.mesh.coord.dp).to(dst.device)
             self.arrivals[(edge.dst, m)].append(Arrival(edge.input, leaf, positions, runtime_edge.index))
@@ -213,7 +217,7 @@ class Executor:
                  else torch.zeros(0, edge.width, device=src.device))  # (items, tokens, width) of fixed-size items
         values, rows, positions = runtime_edge.forward(m, x, runtime_edge.request(self.rows, self.batch, m, self.graph))
         if runtime_edge.is_destination:
-            leaf = values.detach().requires_grad_(self.training)
+            leaf = values.detach().requires_grad_(self.training and self.graph.backward(edge.src))
             self.delivered[(edge.name, m)] = leaf
             self.arrivals[(edge.dst, m)].append(Arrival(edge.input, leaf, rows, positions))
 

@@ -1,5 +1,7 @@
 """One module on this rank: its parallelized model, optimizer and replica sync, and what the step's end
-asks of it (gradient norm, non-finite check, clip, local checkpoint state)."""
+asks of it (gradient norm, non-finite check, clip, local checkpoint state). Frozen parameters
+(``hetero.graph.frozen``) take no gradient, no optimizer state and no place in the sync; a module with
+none to train has no optimizer (``optimizer`` None)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from hetero.config import OptimizerConfig
+from hetero.graph.frozen import freeze
 from hetero.graph.graph import Node
 from hetero.parallel.compression.collective import Collective
 from hetero.parallel.data import local_data, local_grad
@@ -23,12 +26,17 @@ def build_adamw(model: nn.Module, config: OptimizerConfig, fused: bool = False) 
     one group per mesh they are DTensors on (TP's, the experts' EP mesh) and one of plain ones: a fused or
     multi-tensor update takes one kind at a time."""
     groups: dict[object, list[nn.Parameter]] = {}
-    for param in model.parameters():
+    for param in trained(model):
         groups.setdefault(param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None, []).append(param)
     return torch.optim.AdamW(
         [{"params": params} for params in groups.values()], lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay,
         eps=config.eps, fused=fused or None,
     )
+
+
+def trained(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model`` that train (not frozen)."""
+    return [param for param in model.parameters() if param.requires_grad]
 
 
 def materialize(model: nn.Module, device: torch.device) -> nn.Module:
@@ -65,7 +73,9 @@ class ModuleState:
                 built = node.kind.build(node.config)
             self.model = materialize(node.kind.parallelize(built, mesh, node.options), device)
             self.pretrained_bytes = node.kind.load_pretrained(self.model, pretrained)
-        self.optimizer = build_adamw(self.model, node.settings.optim, fused=device.type == "cuda")
+        freeze(self.model, node.settings)
+        self.optimizer = (build_adamw(self.model, node.settings.optim, fused=device.type == "cuda")
+                          if trained(self.model) else None)
         self.replica_sync = self._replica_sync()
 
     def _replica_sync(self) -> ReplicaSync:
@@ -74,13 +84,14 @@ class ModuleState:
                            expert_weights=self.node.kind.expert_weights(self.model))
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def settle_grads(self) -> None:
         """After the step's backwards: zeros where a parameter got no gradient (a replica that saw no rows
         still takes part in the sync), and partial sums reduced over TP (sequence parallelism leaves the
         norms' weights with a ``Partial`` gradient, whose local part is not the gradient)."""
-        for param in self.model.parameters():
+        for param in trained(self.model):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             else:
@@ -139,6 +150,8 @@ class ModuleState:
                 param.grad.mul_(factor)
 
     def step(self, step: int) -> None:
+        if self.optimizer is None:
+            return
         for group in self.optimizer.param_groups:
             group["lr"] = self.node.settings.optim.lr_at(step)
         self.optimizer.step()

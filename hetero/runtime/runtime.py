@@ -298,7 +298,7 @@ class Runtime:
         names = list(self.graph.nodes)
         squares = torch.zeros(len(names), dtype=torch.float64, device=self.device)
         for i, name in enumerate(names):
-            if name in self.modules:
+            if name in self.modules and self.graph.nodes[name].trains:  # a frozen module has no gradient
                 squares[i] = self.modules[name].squared_grad_norm(local[name])
         # Every rank of a module holds the same value and the others hold 0: MAX agrees world-wide. (Under
         # DiLoCo a module's replicas hold different local gradients; MAX then takes the largest norm.)

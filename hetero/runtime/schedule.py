@@ -14,6 +14,9 @@ stage and of the destination's first stage takes part). A schedule gives each ra
   asynchronously, as between a module's own stages. A rank holding several modules interleaves them
   by a simulation of the step (``_graph_1f1b``); on disjoint placements each rank runs its one queue.
 
+A module with nothing trained at or above it (``Graph.backward``: frozen, and so is every module it
+reads from) runs forward only: no ``B`` in training, and no ``EB`` on its outgoing edges.
+
 ``check_schedule`` runs every rank's list in a simulation (``_Progress``: sends posted on entering an
 action, receives waiting for their sends, edge calls of the phased schedule waiting for all their ranks) and checks that
 both sides of every edge call it in the same order and that a module's stage replicas run the same
@@ -75,7 +78,7 @@ def _phased(graph: Graph, rank: int, n: int, training: bool) -> list[Action]:
         stage = _stage_of(graph, name, rank)
         if stage is None:
             continue
-        if training and graph.is_sink(name):
+        if training and graph.is_sink(name) and graph.backward(name):
             node = graph.nodes[name]
             warmup = node.layout.pp - 1 - stage
             actions += [Action(op, name, m) for op, m in stage_order(node.options.pipeline_schedule, warmup, n)]
@@ -83,7 +86,7 @@ def _phased(graph: Graph, rank: int, n: int, training: bool) -> list[Action]:
             actions += [Action("F", name, m) for m in range(n)]
     if training:
         for name in reversed(graph.order):
-            if graph.is_sink(name):
+            if graph.is_sink(name) or not graph.backward(name):
                 continue
             for edge in graph.out_edges(name):
                 if rank in edge_ranks(graph, edge):
@@ -122,7 +125,8 @@ def _stage_queue(graph: Graph, name: str, rank: int, n: int, training: bool) -> 
     node, stage = graph.nodes[name], _stage_of(graph, name, rank)
     first, last = stage == 0, stage == node.layout.pp - 1
     warmup = node.layout.pp - 1 - stage + graph.depth_after(name)
-    order = stage_order(_pipeline_schedule(graph, graph.order), warmup, n) if training else [("F", m) for m in range(n)]
+    backward = training and graph.backward(name)
+    order = stage_order(_pipeline_schedule(graph, graph.order), warmup, n) if backward else [("F", m) for m in range(n)]
 
     def holds_source(edge: Edge) -> bool:
         src = graph.nodes[edge.src].layout
@@ -142,7 +146,7 @@ def _stage_queue(graph: Graph, name: str, rank: int, n: int, training: bool) -> 
         else:
             actions += [Action("EB", e.name, m) for e in graph.out_edges(name) if last and not holds_destination(e)]
             actions.append(Action("B", name, m))
-            actions += [Action("EB", e.name, m) for e in graph.in_edges(name) if first]
+            actions += [Action("EB", e.name, m) for e in graph.in_edges(name) if first and graph.backward(e.src)]
     return actions
 
 

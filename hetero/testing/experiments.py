@@ -62,6 +62,8 @@ def module_grads(runtime: Runtime) -> dict[str, torch.Tensor]:
     grads = {}
     for name, state in runtime.modules.items():
         for pname, p in state.model.named_parameters():
+            if not p.requires_grad:  # frozen
+                continue
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[f"{name}.{pname.replace('_checkpoint_wrapped_module.', '')}"] = g.detach().clone()
     return grads

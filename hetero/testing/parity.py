@@ -211,10 +211,11 @@ def record_reference(
     gradient-norm clip over every module (``clip`` > 0), gradients named ``<module>.<parameter>``.
     ``precision="bf16"``: the losses computed under bf16 autocast (fp32 weights and gradients), as the
     runtime computes a module's stage."""
-    params = [p for m in modules.values() for p in m.parameters()]
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=optim[name].lr, betas=(optim[name].beta1, optim[name].beta2),
+    params = [p for m in modules.values() for p in m.parameters() if p.requires_grad]  # the frozen ones: none
+    optimizers = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=optim[name].lr,
+                                          betas=(optim[name].beta1, optim[name].beta2),
                                           weight_decay=optim[name].weight_decay, eps=optim[name].eps)
-                  for name, m in modules.items()}
+                  for name, m in modules.items() if any(p.requires_grad for p in m.parameters())}
     record = Record()
     for step, batch in enumerate(batches):
         if before_step is not None:
@@ -228,7 +229,8 @@ def record_reference(
             [p.grad for p in params if p.grad is not None])
         record.grad_norms.append(float(norm))
         if step == 0:
-            record.grads = {f"{name}.{n}": p.grad.clone() for name, m in modules.items() for n, p in m.named_parameters()}
+            record.grads = {f"{name}.{n}": p.grad.clone() for name, m in modules.items() for n, p in m.named_parameters()
+                            if p.requires_grad}
         for name, opt in optimizers.items():
             for group in opt.param_groups:
                 group["lr"] = optim[name].lr_at(step)

@@ -2,7 +2,8 @@
 
 Every module's weights and optimizer state go through ``torch.distributed.checkpoint`` under keys
 ``<module>.model.*`` and ``<module>.optimizer.*`` (DTensor shards, pipeline stages with global layer
-names), so a checkpoint saved under one set of layouts loads under another: DCP reads each rank's new
+names; a frozen module has weights alone, its trained parameters' optimizer state when some are frozen:
+a resume that trains what was frozen starts those modules' AdamW afresh and says so), so a checkpoint saved under one set of layouts loads under another: DCP reads each rank's new
 shard from whichever saved shards hold it. What only makes sense on one rank — error-feedback buffers,
 DiLoCo's outer state and inner weights, activation-compression compensation, the RNG — goes into a
 rank-local file that a resume reads only when the layouts and compression settings are unchanged; after
@@ -30,7 +31,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from hetero.config import CheckpointConfig
 from hetero.errors import ConfigError
@@ -137,12 +139,26 @@ def check_resumable(path: Path, identity: RunIdentity) -> tuple[dict[str, Any], 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _module_state(modules: dict[str, tuple[nn.Module, torch.optim.Optimizer]]) -> dict[str, Any]:
+def _module_state(modules: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]]) -> dict[str, Any]:
     state = {}
     for name, (model, optimizer) in modules.items():
+        if optimizer is None:  # nothing of it trains: its weights alone
+            state[name] = {"model": get_model_state_dict(model, options=_OPTIONS)}
+            continue
         model_state, optimizer_state = get_state_dict(model, optimizer, options=_OPTIONS)
         state[name] = {"model": model_state, "optimizer": optimizer_state}
     return state
+
+
+def _without_saved_optimizer(state: dict[str, Any], path: Path) -> list[str]:
+    """Modules of ``state`` whose optimizer state checkpoint ``path`` lacks (saved while they, or some of
+    their parameters, were frozen): their optimizer is left out of ``state``, to start afresh."""
+    saved = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    missing = [name for name, parts in state.items() if "optimizer" in parts
+               and any(f"{name}.optimizer.{key}" not in saved for key in parts["optimizer"])]
+    for name in missing:
+        del state[name]["optimizer"]
+    return missing
 
 
 class Checkpointer:
@@ -154,6 +170,7 @@ class Checkpointer:
                  sources: Mapping[str, ImportedSource] | None = None):
         self.config, self.root, self.identity = config, root, identity
         self.sources = dict(sources or {})
+        self.fresh_optimizers: list[str] = []  # modules the last load left without optimizer state
         self._pending: Future | None = None
         self._commit_error: BaseException | None = None
         self._committed = threading.Event()
@@ -224,12 +241,19 @@ class Checkpointer:
         manifest = read_manifest(path)
         modules = runtime.checkpoint_modules()
         state = _module_state(modules)
+        fresh = _without_saved_optimizer(state, path)
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
         for name, (model, optimizer) in modules.items():
+            if "optimizer" not in state[name]:
+                set_model_state_dict(model, state[name]["model"], options=_OPTIONS)
+                continue
             set_state_dict(
                 model, optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optimizer"],
                 options=_OPTIONS,
             )
+        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, fresh)
+        self.fresh_optimizers = sorted({name for names in everyone for name in names})
         if same_local:
             local = load_local(path / "local" / f"rank{dist.get_rank()}.pt", runtime.device)
             torch.set_rng_state(local.pop("rng"))
@@ -238,3 +262,33 @@ class Checkpointer:
             runtime.reset_local_state()
         runtime.step = int(manifest["step"])
         return runtime.step
+
+
+def check_module_sources(graph_models: dict[str, dict[str, Any]], sources: dict[str, Path]) -> None:
+    """Before any process group: each ``init.checkpoint`` a complete checkpoint holding its module with the
+    same kind and model (``graph_models``: this run's ``RunIdentity.models``)."""
+    for name, path in sources.items():
+        field = f"{name}.init.checkpoint={path}"
+        try:
+            saved = read_manifest(path)["identity"]["models"]
+        except CheckpointError as err:
+            raise ConfigError(f"{field}: {err}") from None
+        if name not in saved:
+            raise ConfigError(f"{field}: the checkpoint holds modules {sorted(saved)}, not {name}")
+        model, old = graph_models[name], saved[name]
+        diffs = [f"kind: saved {old['kind']!r}, now {model['kind']!r}"] if old["kind"] != model["kind"] else []
+        diffs += [f"model.{key}: saved {old['model'].get(key)!r}, now {value!r}"
+                  for key, value in model["model"].items() if old["model"].get(key) != value]
+        if diffs:
+            raise ConfigError(f"{field}: saved for another {name} ({'; '.join(diffs)})")
+
+
+def load_module_weights(modules: dict[str, tuple[nn.Module, Any]], sources: dict[str, Path]) -> None:
+    """Every rank: the weights of the modules it holds from their ``init.checkpoint`` (each checkpoint read
+    collectively, also by ranks that take nothing from it), resharded to this run's layouts."""
+    for path in sorted(set(sources.values())):
+        wanted = {name: model for name, (model, _) in modules.items() if sources.get(name) == path}
+        state = {name: {"model": get_model_state_dict(model, options=_OPTIONS)} for name, model in wanted.items()}
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
+        for name, model in wanted.items():
+            set_model_state_dict(model, state[name]["model"], options=_OPTIONS)

@@ -29,7 +29,8 @@ from hetero.models.gpt.moe import MoEFeedForward
 from hetero.kinds.registry import KindRegistry
 from hetero.parallel.mesh import init_distributed
 from hetero.runtime import Runtime, build_runtime
-from hetero.train.checkpoint import Checkpointer, RunIdentity, check_resumable, resolve_resume
+from hetero.train.checkpoint import (Checkpointer, RunIdentity, check_module_sources, check_resumable,
+                                     load_module_weights, resolve_resume)
 from hetero.train.data_agreement import agreed
 from hetero.train.faults import FaultGuard, NonFiniteError, describe_rank
 from hetero.train.run_log import RunLog
@@ -81,6 +82,9 @@ def train(experiment: ExperimentConfig, registry: KindRegistry | None = None) ->
                                run_identity(experiment, graph), imported_sources(graph))
     resume_from = resolve_resume(cfg.checkpoint, checkpoints.root)
     same_local = check_resumable(resume_from, checkpoints.identity)[1] if resume_from is not None else True
+    starts = {name: Path(node.settings.init.checkpoint) for name, node in graph.nodes.items()
+              if node.settings.init.checkpoint is not None}  # next-stage weights, unless resuming this run
+    check_module_sources(checkpoints.identity.as_json()["models"], starts)
     rank = init_distributed(graph.placement, experiment.backend, experiment.timeout_s)
     runtime = build_runtime(experiment, graph=graph)
     checkpoints.attach()
@@ -88,9 +92,11 @@ def train(experiment: ExperimentConfig, registry: KindRegistry | None = None) ->
               RunLog(experiment, run_dir, enabled=rank == 0))
     with job.guard.running():
         start = 0
+        if resume_from is None and starts:
+            load_module_weights(runtime.checkpoint_modules(), starts)
         if resume_from is not None:
             start = checkpoints.load(runtime, resume_from, same_local)
-            job.log.resumed(resume_from, start, same_local)
+            job.log.resumed(resume_from, start, same_local, checkpoints.fresh_optimizers)
         summary = _loop(job, start)
     job.log.finish(summary)
     return summary

@@ -82,10 +82,13 @@ class RunLog:
         self.sample_ids.write(json.dumps({"step": step, "ids": [int(i) for i in ids]}) + "\n")
         self.sample_ids.flush()
 
-    def resumed(self, path: Path, step: int, same_local: bool) -> None:
+    def resumed(self, path: Path, step: int, same_local: bool, fresh_optimizers: list[str] = ()) -> None:
         if not self.enabled:
             return
         print(f"resumed from {path} at step {step}", flush=True)
+        if fresh_optimizers:
+            print(f"{', '.join(fresh_optimizers)}: the checkpoint holds no optimizer state for (some of) its trained "
+                  f"parameters, frozen when it was saved; AdamW starts afresh there", flush=True)
         if not same_local:
             print(
                 "layouts or compression settings differ from the checkpoint's: weights and optimizer states were "

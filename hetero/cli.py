@@ -77,6 +77,12 @@ def _bench(args: argparse.Namespace) -> int | None:
 
 
 def _convert(args: argparse.Namespace) -> None:
+    if args.llava:
+        from hetero.interop.llava_export import convert_llava
+
+        out = convert_llava(args.checkpoint, args.out)
+        print(f"wrote the VLM of {args.checkpoint} to {out} (Hugging Face LlavaForConditionalGeneration)")
+        return
     from hetero.interop.hf_export import convert_checkpoint
 
     out = convert_checkpoint(args.checkpoint, args.module, args.out)
@@ -139,8 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("checkpoint", help="a step_* directory written by hetero train")
     convert.add_argument("out", help="the Hugging Face checkpoint directory to write")
     convert.add_argument("--module", default="llm", help="which module (default: llm)")
+    convert.add_argument("--llava", action="store_true",
+                         help="write the vit, projector and gpt modules as one LlavaForConditionalGeneration (modules "
+                         "imported from one with init.hf)")
     convert.set_defaults(run=_convert)
+    from hetero.interop.tiny_llava import add_parser as add_tiny_llava
     from hetero.plan.command import add_parser as add_plan
+
+    add_tiny_llava(commands)
 
     add_plan(commands)
     return parser

@@ -92,7 +92,9 @@ class InitConfig:
     """Where a module's weights start: seeded random (default), a Hugging Face checkpoint directory
     (``hf``: its ``config.json`` gives the model's sizes, its safetensors the weights), or the same module
     of an earlier hetero run (``checkpoint``: a ``step_*`` directory, saved under any layouts; its weights
-    only, as a next training stage starts: the optimizer, the step and the data start afresh)."""
+    only, as a next training stage starts: the optimizer, the step and the data start afresh). Both: the
+    sizes (and what an export keeps) from ``hf``, the weights from ``checkpoint``, as a next stage of a
+    run that imported ``hf`` starts."""
 
     hf: str | None = None
     checkpoint: str | None = None

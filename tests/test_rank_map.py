@@ -11,6 +11,7 @@ import yaml
 from hetero.cli import main
 from hetero.config import CONFIG_DIR
 from hetero.data.example import write_llava, write_webdataset
+from hetero.interop.tiny_llava import write_tiny_llava
 from layout_oracle import grid_coords, modules_of_yaml
 
 SHIPPED = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
@@ -44,11 +45,14 @@ def data(tmp_path_factory):
     """Overrides that point an experiment on users' files (``hetero layout`` opens them) at an example."""
     conversations = write_llava(tmp_path_factory.mktemp("example"), 40, seed=0)
     captions = write_webdataset(tmp_path_factory.mktemp("captions"), 40, seed=0)[0].parent
+    llava = write_tiny_llava(tmp_path_factory.mktemp("tiny_llava"))
 
     def overrides(config: str) -> list[str]:
-        data = yaml.safe_load((CONFIG_DIR / "experiment" / f"{config}.yaml").read_text()).get("train", {}).get("data", {})
+        raw = yaml.safe_load((CONFIG_DIR / "experiment" / f"{config}.yaml").read_text())
+        data = raw.get("train", {}).get("data", {})
         paths = {"llava": [f"train.data.path={conversations}"], "webdataset": [f"train.data.path={captions}"]}
-        return paths.get(data.get("format"), [])
+        imported = "llava" in config  # the recipe's stages start from a whole LLaVA
+        return paths.get(data.get("format"), []) + ([f"vision.init.hf={llava}"] if imported else [])
 
     return overrides
 

@@ -28,12 +28,13 @@ import torch
 
 from hetero.data.chat import ChatTokenizer
 from hetero.data.digits import IGNORE_INDEX
-from hetero.data.images import ImageError, ImagePipeline
+from hetero.data.images import ImageError, ImagePipeline, has_image_processor
 from hetero.data.native_images import patchify
 from hetero.data.sample_index import INDEX_DIR, SampleIndex
 from hetero.data.samples import ImageRef, Sample, SampleError
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph, Node
+from hetero.interop.llava import image_token_text
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -93,11 +94,11 @@ def image_pipeline(vision: Node) -> ImagePipeline:
     with one, else from its config (``ImagePipeline.for_vision``)."""
     config, hf = vision.config, vision.settings.init.hf
     native = dict(patch_size=config.patch_size, max_patches=config.max_patches) if config.max_patches else {}
-    if hf is not None and (Path(hf) / "preprocessor_config.json").is_file():
+    if hf is not None and has_image_processor(hf):
         pipeline = dataclasses.replace(ImagePipeline.from_hf(hf), **native)
         size = pipeline.crop or pipeline.size
         if not config.max_patches and tuple(size) != (config.image_size, config.image_size):
-            raise ConfigError(f"{vision.name}: {hf}/preprocessor_config.json makes {size[0]}×{size[1]} images but "
+            raise ConfigError(f"{vision.name}: {hf}'s image processor makes {size[0]}×{size[1]} images but "
                               f"{vision.name}.model.image_size={config.image_size}")
         return pipeline
     return ImagePipeline.for_vision(config.image_size, config.channels, config.patch_size, config.max_patches)
@@ -109,7 +110,8 @@ class Shaper:
     def __init__(self, graph: Graph, image_token: str | None, too_long: str):
         self.llm, self.vision = readers(graph)
         self.seq_len, self.too_long = self.llm.config.seq_len, too_long
-        self.tokenizer = ChatTokenizer(tokenizer_dir(self.llm), image_token)
+        hf = self.llm.settings.init.hf
+        self.tokenizer = ChatTokenizer(tokenizer_dir(self.llm), image_token or (image_token_text(hf) if hf else None))
         vocab = self.llm.config.vocab_size
         if self.tokenizer.vocab_size > vocab:
             raise ConfigError(f"{self.llm.name}'s tokenizer has {self.tokenizer.vocab_size} tokens, more than "
@@ -122,7 +124,7 @@ class Shaper:
         config = self.vision.config
         if config.max_patches:
             return (picture.shape[1] // config.patch_size) * (picture.shape[2] // config.patch_size)
-        return config.num_patches
+        return config.feature_tokens
 
     def images(self, sample: Sample, sizes: list[tuple[int, int]] | None = None) -> list[Picture]:
         """``sample``'s pictures: decoded now, or, given each image's (height, width) from the sample index,
@@ -186,7 +188,7 @@ class Shaper:
         """An image's placeholder tokens, from its size before preprocessing."""
         config = self.vision.config
         if not config.max_patches:
-            return config.num_patches
+            return config.feature_tokens
         rows, cols = self.pipeline.output_size(height, width)
         return (rows // config.patch_size) * (cols // config.patch_size)
 

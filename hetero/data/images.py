@@ -86,12 +86,13 @@ class ImagePipeline:
 
     @classmethod
     def from_hf(cls, directory: str | os.PathLike) -> ImagePipeline:
-        """The pipeline of a checkpoint's ``preprocessor_config.json`` (SigLIP or CLIP image processor).
+        """The pipeline of a checkpoint's ``preprocessor_config.json`` (SigLIP or CLIP image processor), or
+        of the ``image_processor`` of its ``processor_config.json`` (a whole VLM's processor, as
+        transformers 5 saves it; ``image_processor_config``).
 
         Raises ValueError naming the processor type or field it cannot follow (padding, anyres grids,
         longest-edge sizes, ...)."""
-        path = Path(directory) / "preprocessor_config.json"
-        config = json.loads(path.read_text())
+        path, config = image_processor_config(directory)
         kind = config.get("image_processor_type") or config.get("feature_extractor_type")
         kind = {"CLIPFeatureExtractor": "CLIPImageProcessor"}.get(kind, kind)
         for suffix in ("Fast", "Pil"):
@@ -228,3 +229,24 @@ def _hf_size(size: Any, default_to_square: bool, path: Path) -> tuple[tuple[int,
     if isinstance(size, dict) and set(size) == {"shortest_edge"}:
         return None, int(size["shortest_edge"])
     raise ValueError(f"{path}: field 'size' = {size!r} is not supported (height and width, or shortest_edge)")
+
+
+def image_processor_config(directory: str | os.PathLike) -> tuple[Path, dict]:
+    """Where a checkpoint's image-processor config is, and what it says: ``preprocessor_config.json``, else
+    the ``image_processor`` entry of ``processor_config.json``; FileNotFoundError when neither has one."""
+    directory = Path(directory)
+    if (path := directory / "preprocessor_config.json").is_file():
+        return path, json.loads(path.read_text())
+    if (path := directory / "processor_config.json").is_file():
+        config = json.loads(path.read_text())
+        if isinstance(config.get("image_processor"), dict):
+            return path, config["image_processor"]
+    raise FileNotFoundError(f"{directory} has no image processor config (preprocessor_config.json)")
+
+
+def has_image_processor(directory: str | os.PathLike) -> bool:
+    try:
+        image_processor_config(directory)
+    except FileNotFoundError:
+        return False
+    return True

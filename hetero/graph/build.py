@@ -41,9 +41,6 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
         frozen, trains = _frozen(node)
         errors += frozen
         nodes[name] = replace(node, trains=trains)
-        if node.settings.init.hf is not None and node.settings.init.checkpoint is not None:
-            errors.append(f"{name}.init: hf and checkpoint both set; a module starts from one of them (checkpoint: "
-                          f"an earlier hetero run's weights of {name}, hf: a Hugging Face checkpoint)")
     for node in nodes.values():
         errors += node.kind.errors(node.name, node.config, node.layout, node.options)
         errors += node.options.errors(node.name)

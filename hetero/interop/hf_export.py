@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import DTYPES, INDEX, HFCheckpoint, HFExport
 from hetero.interop.hf_source import CONFIG, KEPT, SIDE_FILES, KeptSource
 
@@ -40,38 +41,47 @@ def export_hf(runtime, module: str, path: str | Path) -> Path:
     node = runtime.graph.nodes[module]
     source = HFCheckpoint(node.settings.init.hf) if node.settings.init.hf is not None else None
     export = node.kind.hf_export(node.config, source)
-    state = runtime.modules.get(module)
-    if state is not None:
-        coord, stages = state.mesh.coord, node.layout.pp
-        # the same order on every rank of the stage
-        whole = _hf_tensors(export, source, ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
-                                             for name, tensor in state.model.state_dict().items()))
-        if coord.tp == coord.cp == coord.dp == 0:
-            if coord.pp == 0 and source is not None:
-                whole |= {name: source.tensor(carried) for name, carried in export.carried.items()}
-            path.mkdir(parents=True, exist_ok=True)
-            _write_atomically(path / _shard_name(coord.pp, stages), lambda f: _save(whole, f))
+    if not export.config:
+        raise ConfigError(f"{module}: a {node.kind.name} module has no Hugging Face checkpoint of its own; write the "
+                          "whole VLM it belongs to (export_llava, hetero convert --llava)")
+    files = write_stages(runtime, module, export, source, path, 0, node.layout.pp)
     dist.barrier()
     if dist.get_rank() == node.layout.ranks[0]:
-        _finish(path, [_shard_name(stage, node.layout.pp) for stage in range(node.layout.pp)], export.config, source)
+        finish(path, files, export.config, source)
     dist.barrier()
     return path
 
 
-def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path) -> Path:
-    """Write ``module`` of the hetero checkpoint directory ``checkpoint`` (a ``step_*`` directory of
-    ``hetero train``) to ``path`` as a Hugging Face checkpoint, in one process: the model is rebuilt from
-    the config the checkpoint recorded, its weights read whole (DCP gathers every saved shard). A module
-    imported with ``init.hf`` is written with the source the checkpoint kept (``hf_source.py``): its
-    config and side files unchanged, its tensors in their source dtypes, the passed-over ones copied."""
+def write_stages(runtime, module: str, export: HFExport, source: HFCheckpoint | None, path: Path, first: int,
+                 total: int) -> list[str]:
+    """Every rank: write this rank's pipeline stage of ``module`` as file ``first + stage`` of ``total``
+    where it is the stage's writer (tp, cp and dp all 0), its weights gathered whole (TP and FSDP2
+    shards); the carried tensors go with stage 0. The names of all the module's files."""
+    node = runtime.graph.nodes[module]
+    state = runtime.modules.get(module)
+    if state is not None:
+        coord = state.mesh.coord
+        # the same order on every rank of the stage
+        whole = hf_tensors(export, source, ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+                                            for name, tensor in state.model.state_dict().items()))
+        if coord.tp == coord.cp == coord.dp == 0:
+            if coord.pp == 0 and source is not None:
+                whole |= {name: source.tensor(carried) for name, carried in export.carried.items()}
+            path.mkdir(parents=True, exist_ok=True)
+            write_atomically(path / shard_name(first + coord.pp, total), lambda f: save_tensors(whole, f))
+    return [shard_name(first + stage, total) for stage in range(node.layout.pp)]
+
+
+def saved_module(checkpoint: Path, module: str):
+    """Module ``module`` of the hetero checkpoint directory ``checkpoint``, rebuilt in this process from
+    the config it recorded, its weights read whole (DCP gathers every saved shard): its kind, config,
+    ``(name, tensor)`` weights, and the source it was imported from as the checkpoint kept it (or None)."""
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
-    from hetero.errors import ConfigError
     from hetero.models import default_registry
     from hetero.train.checkpoint_files import SafeFileSystemReader, read_manifest
 
-    checkpoint, path = Path(checkpoint), Path(path)
     if (checkpoint / "config.json").is_file():
         raise ConfigError(f"{checkpoint} is a Hugging Face checkpoint, which needs no conversion: hetero reads it "
                           f"directly under any layout with {module}.init.hf={checkpoint}")
@@ -84,19 +94,31 @@ def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path) ->
     state = {module: {"model": model.state_dict()}}
     dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)))
     kept = checkpoint / KEPT / module
-    source = KeptSource(kept) if kept.is_dir() else None
+    return kind, config, list(state[module]["model"].items()), KeptSource(kept) if kept.is_dir() else None
+
+
+def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path) -> Path:
+    """Write ``module`` of the hetero checkpoint directory ``checkpoint`` (a ``step_*`` directory of
+    ``hetero train``) to ``path`` as a Hugging Face checkpoint, in one process (``saved_module``). A module
+    imported with ``init.hf`` is written with the source the checkpoint kept (``hf_source.py``): its
+    config and side files unchanged, its tensors in their source dtypes, the passed-over ones copied."""
+    checkpoint, path = Path(checkpoint), Path(path)
+    kind, config, weights, source = saved_module(checkpoint, module)
     export = kind.hf_export(config, source)
-    tensors = _hf_tensors(export, source, state[module]["model"].items())
+    if not export.config:
+        raise ConfigError(f"{module}: a {kind.name} module has no Hugging Face checkpoint of its own; convert the "
+                          "whole VLM it belongs to (hetero convert --llava)")
+    tensors = hf_tensors(export, source, weights)
     if source is not None:
         tensors |= {name: source.tensor(carried) for name, carried in export.carried.items()}
     path.mkdir(parents=True, exist_ok=True)
-    file = _shard_name(0, 1)
-    _write_atomically(path / file, lambda f: _save(tensors, f))
-    _finish(path, [file], export.config, source)
+    file = shard_name(0, 1)
+    write_atomically(path / file, lambda f: save_tensors(tensors, f))
+    finish(path, [file], export.config, source)
     return path
 
 
-def _hf_tensors(export: HFExport, source: HFCheckpoint | None,
+def hf_tensors(export: HFExport, source: HFCheckpoint | None,
                 weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The whole ``weights`` (name, tensor) the export writes, by HF name, on the CPU in their source's dtype."""
     tensors = {}
@@ -107,7 +129,7 @@ def _hf_tensors(export: HFExport, source: HFCheckpoint | None,
     return tensors
 
 
-def _finish(path: Path, files: list[str], config: dict, source: HFCheckpoint | None) -> None:
+def finish(path: Path, files: list[str], config: dict, source: HFCheckpoint | None) -> None:
     """Write ``config.json`` (the source's own file when ``config`` is its config), the source's side
     files, and the index of ``files`` (already in ``path``), the index last."""
     from safetensors import safe_open
@@ -119,28 +141,28 @@ def _finish(path: Path, files: list[str], config: dict, source: HFCheckpoint | N
                 weight_map[name] = file
                 sliced = handle.get_slice(name)
                 total += math.prod(sliced.get_shape()) * DTYPES[sliced.get_dtype()].itemsize
-    if source is not None and config == source.config:
-        _write_atomically(path / CONFIG, partial(shutil.copyfile, source.path / CONFIG))
+    if source is not None and json.loads((source.path / CONFIG).read_text()) == config:
+        write_atomically(path / CONFIG, partial(shutil.copyfile, source.path / CONFIG))
     else:
-        _write_atomically(path / CONFIG, lambda f: Path(f).write_text(json.dumps(config, indent=2)))
+        write_atomically(path / CONFIG, lambda f: Path(f).write_text(json.dumps(config, indent=2)))
     for name in SIDE_FILES if source is not None else ():
         if (source.path / name).is_file():
-            _write_atomically(path / name, partial(shutil.copyfile, source.path / name))
+            write_atomically(path / name, partial(shutil.copyfile, source.path / name))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_atomically(path / INDEX, lambda f: Path(f).write_text(json.dumps(index, indent=2)))
+    write_atomically(path / INDEX, lambda f: Path(f).write_text(json.dumps(index, indent=2)))
 
 
-def _shard_name(stage: int, stages: int) -> str:
+def shard_name(stage: int, stages: int) -> str:
     return f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
 
 
-def _save(tensors: dict[str, torch.Tensor], file: str) -> None:
+def save_tensors(tensors: dict[str, torch.Tensor], file: str) -> None:
     from safetensors.torch import save_file
 
     save_file({name: t.contiguous() for name, t in tensors.items()}, file, metadata={"format": "pt"})
 
 
-def _write_atomically(final: Path, write) -> None:
+def write_atomically(final: Path, write) -> None:
     temporary = final.with_name(f".{final.name}.partial")
     write(str(temporary))
     os.replace(temporary, final)

@@ -141,7 +141,7 @@ def describe(name: str, kind: str, config: GPTConfig | ViTConfig | GeneZipConfig
         return Transformer(
             name, "vit", config.used_layers, config.hidden_size, config.num_heads,
             config.num_heads, config.ffn_size, config.seq_len,
-            head_in=config.channels * config.patch_size**2, out_width=config.out_size, out_tokens=config.num_patches,
+            head_in=config.channels * config.patch_size**2, out_width=config.out_size, out_tokens=config.feature_tokens,
             projector=config.projector,
             model_flops_per_sample=TRAINING_MULTIPLIER * vit_forward_flops_per_image(config),
         )

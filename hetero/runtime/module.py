@@ -72,7 +72,8 @@ class ModuleState:
             with torch.device("meta"):
                 built = node.kind.build(node.config)
             self.model = materialize(node.kind.parallelize(built, mesh, node.options), device)
-            self.pretrained_bytes = node.kind.load_pretrained(self.model, pretrained)
+            if node.settings.init.checkpoint is None:  # else the weights come from that checkpoint
+                self.pretrained_bytes = node.kind.load_pretrained(self.model, pretrained)
         freeze(self.model, node.settings)
         self.optimizer = (build_adamw(self.model, node.settings.optim, fused=device.type == "cuda")
                           if trained(self.model) else None)

@@ -237,5 +237,7 @@ def rope_context(config: GPTConfig) -> int:
 
 def load_gpt(model, path: str | Path) -> int:
     """Fill ``model`` (a GPT, whole or parallelized and materialized) from the HF checkpoint at ``path``,
-    each rank reading only the slices it holds; the bytes read."""
-    return load_into(model, HFCheckpoint(path), weight_names(model.config))
+    (a decoder, or a whole LLaVA's LM), each rank reading only the slices it holds; the bytes read."""
+    from hetero.interop.llava import open_part
+
+    return load_into(model, open_part(path, "text"), weight_names(model.config))

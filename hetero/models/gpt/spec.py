@@ -66,10 +66,10 @@ class GPTKind(Kind):
         return parallelize_gpt(model, mesh, options)
 
     def pretrained_config(self, module, path, fields):
-        from hetero.interop.hf_checkpoint import HFCheckpoint
+        from hetero.interop.llava import open_part
         from hetero.models.gpt.hf import check_weights, gpt_config
 
-        checkpoint = HFCheckpoint(path)
+        checkpoint = open_part(path, "text")
         config = gpt_config(checkpoint.config, fields.get("seq_len"), module)
         self.check_given(module, config, fields, {"seq_len"})
         check_weights(checkpoint, config, module)
@@ -77,11 +77,15 @@ class GPTKind(Kind):
 
     def hf_export(self, config, source):
         from hetero.interop.hf_checkpoint import HFExport
+        from hetero.interop.llava import open_part
         from hetero.models.gpt.hf import hf_config, weight_names
 
         if config.moe:
             raise ConfigError("gpt modules with experts (model.num_experts > 0) export no Hugging Face checkpoints yet")
-        return HFExport(source.config if source is not None else hf_config(config), weight_names(config))
+        if source is None:
+            return HFExport(hf_config(config), weight_names(config))
+        part = open_part(source, "text")  # a decoder, or a whole LLaVA's LM
+        return HFExport(part.config, weight_names(config), getattr(part, "raw", lambda name: name))
 
     def load_pretrained(self, model, path):
         from hetero.models.gpt.hf import load_gpt

@@ -36,6 +36,24 @@ class ProjectorKind(Kind):
     def parallelize(self, model, mesh, options):
         return parallelize_projector(model, mesh, options)
 
+    def pretrained_config(self, module, path, fields):
+        from hetero.interop.llava import open_part
+        from hetero.models.projector.hf import projector_config
+
+        config = projector_config(open_part(path, "projector"), fields, module)
+        self.check_given(module, config, fields, {"items"})
+        return config
+
+    def hf_export(self, config, source):
+        from hetero.models.projector.hf import projector_export
+
+        return projector_export(source)
+
+    def load_pretrained(self, model, path):
+        from hetero.models.projector.hf import load_projector
+
+        return load_projector(model, path)
+
     def per_item(self, config: ProjectorConfig) -> bool:
         return config.items
 

@@ -32,6 +32,7 @@ class ViTConfig:
     activation: str = "gelu"
     norm_eps: float = 1e-5
     feature_norm: bool = True  # a LayerNorm of the features (SigLIP's post_layernorm)
+    class_feature: bool = False  # the class token handed on before the patches' features (LLaVA's "full")
     # An MLP projector into the LLM's width (out_size) inside the encoder; without it the encoder hands
     # on its features (out_size = hidden_size), e.g. to a module of kind projector.
     projector: bool = True
@@ -60,6 +61,11 @@ class ViTConfig:
     def seq_len(self) -> int:
         """Encoder sequence: the patches, and the class token where there is one."""
         return self.num_patches + int(self.class_token)
+
+    @property
+    def feature_tokens(self) -> int:
+        """Features handed on per image: the patches', after the class token's where it is kept."""
+        return self.num_patches + int(self.class_token and self.class_feature)
 
     @property
     def used_layers(self) -> int:
@@ -99,6 +105,8 @@ class ViTConfig:
             errors.append(f"{module}.model.activation={self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
         if self.max_patches < 0:
             errors.append(f"{module}.model.max_patches={self.max_patches} must be >= 0 (0: every image image_size wide)")
+        if self.class_feature and not self.class_token:
+            errors.append(f"{module}.model.class_feature=true hands on a class token, but class_token=false")
         if self.max_patches and self.class_token:
             errors.append(f"{module}.model.max_patches={self.max_patches} (native resolution) takes images without a "
                           f"class token; set {module}.model.class_token=false")

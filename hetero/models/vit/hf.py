@@ -57,8 +57,10 @@ def tower(hf: dict, module: str = "vision") -> tuple[str, dict]:
     return known[architecture], hf["vision_config"] if architecture in WITH_TEXT else hf
 
 
-def vit_config(hf: dict, fields: dict, module: str = "vision") -> ViTConfig:
-    """The ViT config of HF config ``hf``, features taken at ``fields["feature_layer"]`` (default -1)."""
+def vit_config(hf: dict, fields: dict, module: str = "vision", llava: dict | None = None) -> ViTConfig:
+    """The ViT config of HF config ``hf``, features taken at ``fields["feature_layer"]`` (default -1); of
+    the tower of a whole LLaVA (its config ``llava``), at its ``vision_feature_layer``, without a final
+    LayerNorm, and with the class token under the ``full`` strategy (``hetero.interop.llava``)."""
     where = f"{module}.init.hf config.json"
     family, vision = tower(hf, module)
     if extra := sorted(set(vision) - MODELLED - BOOKKEEPING - PASSED_OVER):
@@ -72,6 +74,11 @@ def vit_config(hf: dict, fields: dict, module: str = "vision") -> ViTConfig:
                           "(hetero's attention has no dropout)")
     layers = vision["num_hidden_layers"]
     feature_layer = fields.get("feature_layer", -1)
+    feature_norm = family == "siglip" and feature_layer % layers == layers - 1
+    if llava is not None:
+        from hetero.interop.llava import class_feature, feature_layer as llava_layer
+
+        feature_layer, feature_norm = llava_layer(llava, where), False
     hidden = vision["hidden_size"]
     return ViTConfig(
         image_size=vision["image_size"], patch_size=vision["patch_size"], channels=vision.get("num_channels", 3),
@@ -79,8 +86,8 @@ def vit_config(hf: dict, fields: dict, module: str = "vision") -> ViTConfig:
         ffn_hidden_size=vision["intermediate_size"], feature_layer=feature_layer, out_size=hidden,
         class_token=family == "clip", patch_bias=family == "siglip", key_bias=True, pre_norm=family == "clip",
         activation=ACTIVATIONS[act], norm_eps=vision.get("layer_norm_eps", 1e-6 if family == "siglip" else 1e-5),
-        feature_norm=family == "siglip" and feature_layer % layers == layers - 1, projector=False,
-        items=fields.get("items", False),
+        feature_norm=feature_norm, projector=False, items=fields.get("items", False),
+        class_feature=llava is not None and class_feature(llava),
     )
 
 
@@ -143,9 +150,11 @@ def vit_shapes(config: ViTConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_vit(model, path: str | Path) -> int:
-    """Fill ``model`` (a ViT, whole or parallelized and materialized) from the HF checkpoint at ``path``,
-    each rank reading only the slices it holds; the bytes read."""
-    checkpoint = HFCheckpoint(path)
+    """Fill ``model`` (a ViT, whole or parallelized and materialized) from the HF checkpoint at ``path``
+    (a tower, or a whole LLaVA's), each rank reading only the slices it holds; the bytes read."""
+    from hetero.interop.llava import open_part
+
+    checkpoint = open_part(path, "vision")
     prefix = prefix_of(checkpoint)
     return load_into(model, checkpoint, lambda name: prefix + hf_name(name))
 
@@ -158,13 +167,17 @@ def vit_export(config: ViTConfig, source: HFCheckpoint | None) -> HFExport:
         raise ConfigError("a ViT with its projector has no Hugging Face vision-tower form; set projector: false "
                           "and put the projector in a module of kind projector")
     if source is not None:
-        family, vision = tower(source.config)
-        prefix = prefix_of(source)
+        from hetero.interop.llava import open_part
+
+        part = open_part(source, "vision")  # a tower, or a whole LLaVA's
+        raw = getattr(part, "raw", lambda name: name)  # the name in ``source``
+        family, vision = tower(part.config)
+        prefix = prefix_of(part)
         architecture = next(name for name, f in VISION_MODELS.items() if f == family)
         hf_config = vision | {"architectures": [architecture], "model_type": MODEL_TYPES[family]}
-        carried = {name.removeprefix(prefix): name for name in source.names()
+        carried = {name.removeprefix(prefix): raw(name) for name in part.names()
                    if name.startswith(prefix) and passed_over(name.removeprefix(prefix), config)}
-        return HFExport(hf_config, hf_name, lambda name: prefix + name, carried)
+        return HFExport(hf_config, hf_name, lambda name: raw(prefix + name), carried)
     siglip = (not config.class_token and config.patch_bias and config.key_bias and not config.pre_norm
               and config.feature_norm and config.used_layers == config.num_layers)
     if not siglip:

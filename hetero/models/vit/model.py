@@ -146,7 +146,7 @@ class VisionEncoder(nn.Module):
             x = block(x)
         if not self.is_last_stage:
             return x
-        return self.features(x[:, int(self.config.class_token):])
+        return self.features(x[:, int(self.config.class_token and not self.config.class_feature):])
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         if self.feature_norm is not None:

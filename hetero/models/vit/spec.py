@@ -40,12 +40,13 @@ class ViTKind(Kind):
         return parallelize_vision(model, mesh, options)
 
     def pretrained_config(self, module, path, fields):
-        from hetero.interop.hf_checkpoint import HFCheckpoint
+        from hetero.interop.llava import open_part
         from hetero.models.vit.hf import check_weights, vit_config
 
-        checkpoint = HFCheckpoint(path)
-        config = vit_config(checkpoint.config, fields, module)
-        self.check_given(module, config, fields, {"feature_layer", "items"})
+        checkpoint = open_part(path, "vision")
+        llava = getattr(checkpoint, "llava", None)  # a whole LLaVA's tower takes its feature layer from it
+        config = vit_config(checkpoint.config, fields, module, llava)
+        self.check_given(module, config, fields, {"items"} if llava else {"feature_layer", "items"})
         check_weights(checkpoint, config, module)
         return config
 
@@ -74,7 +75,7 @@ class ViTKind(Kind):
     def item_tokens(self, config: ViTConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if config.max_patches:
             return batch["image_grid"].cpu().prod(1)
-        return torch.full((len(batch["image_row"]),), config.num_patches, dtype=torch.long, device="cpu")
+        return torch.full((len(batch["image_row"]),), config.feature_tokens, dtype=torch.long, device="cpu")
 
     def host_columns(self, config, batch, keys, local):
         """Images ``local`` (global numbers); a batch with ``image_held`` holds the pixels of those images
@@ -139,7 +140,7 @@ class ViTKind(Kind):
         return errors
 
     def outputs(self, config: ViTConfig) -> dict[str, Port]:
-        tokens = None if config.max_patches else config.num_patches
+        tokens = None if config.max_patches else config.feature_tokens
         return {"embeddings": Port(config.out_size, tokens=tokens, field="out_size")}
 
     def has_loss(self, config: ViTConfig) -> bool:

@@ -1,0 +1,99 @@
+"""A vit → projector → gpt graph imported from a whole LLaVA (each module's ``init.hf`` the same
+``LlavaForConditionalGeneration`` directory, ``llava.py``) written back as one such directory: from the
+running job (``export_llava``, every rank calls it) or from a hetero checkpoint (``convert_llava``,
+``hetero convert --llava``).
+
+Each weight goes under its name in the source and in the source's dtype; the tensors the modules pass
+over (a tower's final LayerNorm and pooling head, its blocks after the feature layer) are copied from
+it; the source's ``config.json`` and side files (tokenizer, chat template, image processor, processor
+config) are copied as they are. The modules' pipeline stages are the files, one each, the index last,
+so an export of an untrained import gives the source's tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from hetero.errors import ConfigError
+from hetero.interop.hf_checkpoint import HFCheckpoint, HFExport
+from hetero.interop.hf_export import finish, hf_tensors, save_tensors, saved_module, shard_name, write_atomically, write_stages
+from hetero.interop.llava import is_llava
+
+KINDS = ("vit", "projector", "gpt")  # the graph's modules, in the order their files are numbered
+
+
+def llava_modules(kinds: dict[str, str]) -> list[str]:
+    """The vision, projector and LLM modules among ``kinds`` (module -> kind): one of each."""
+    chosen = []
+    for kind in KINDS:
+        names = [name for name, k in kinds.items() if k == kind]
+        if len(names) != 1:
+            raise ConfigError(f"a LLaVA is one vit, one projector and one gpt module; the graph has {len(names)} of "
+                              f"kind {kind} ({', '.join(names) or 'none'})")
+        chosen += names
+    return chosen
+
+
+def whole_export(kind, config, source, module: str) -> HFExport:
+    """``kind``'s export of ``module`` under the whole checkpoint's names."""
+    if source is None or not is_llava(source.config):
+        raise ConfigError(f"{module} was not imported from a whole LLaVA (its init.hf a LlavaForConditionalGeneration "
+                          "directory): only such a graph is written back as one")
+    part = kind.hf_export(config, source)
+
+    def name_of(name: str) -> str | None:
+        hf = part.name_of(name)
+        return None if hf is None else part.source_name(hf)
+
+    return HFExport(source.config, name_of, carried={part.source_name(n): s for n, s in part.carried.items()})
+
+
+def _same_source(sources: dict[str, HFCheckpoint]) -> HFCheckpoint:
+    first, *others = sources
+    for other in others:
+        if sources[other].config != sources[first].config:
+            raise ConfigError(f"{first} and {other} were imported from different LLaVA checkpoints "
+                              f"({sources[first].path}, {sources[other].path}); write them separately")
+    return sources[first]
+
+
+def export_llava(runtime, path: str | Path) -> Path:
+    """Write the graph of ``runtime`` (a ``hetero.runtime.Runtime``) to directory ``path`` as one LLaVA."""
+    path = Path(path)
+    nodes = runtime.graph.nodes
+    modules = llava_modules({name: node.kind.name for name, node in nodes.items()})
+    sources = {m: HFCheckpoint(nodes[m].settings.init.hf) if nodes[m].settings.init.hf else None for m in modules}
+    exports = {m: whole_export(nodes[m].kind, nodes[m].config, sources[m], m) for m in modules}
+    source = _same_source(sources)
+    total, files = sum(nodes[m].layout.pp for m in modules), []
+    for module in modules:
+        files += write_stages(runtime, module, exports[module], source, path, len(files), total)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        finish(path, files, source.config, source)
+    dist.barrier()
+    return path
+
+
+def convert_llava(checkpoint: str | Path, path: str | Path) -> Path:
+    """Write the vit, projector and gpt modules of the hetero checkpoint ``checkpoint`` to ``path`` as one
+    LLaVA, in one process, from the sources the checkpoint kept."""
+    from hetero.train.checkpoint_files import read_manifest
+
+    checkpoint, path = Path(checkpoint), Path(path)
+    models = read_manifest(checkpoint)["identity"]["models"]
+    modules = llava_modules({name: model["kind"] for name, model in models.items()})
+    path.mkdir(parents=True, exist_ok=True)
+    files, sources = [], {}
+    for module in modules:
+        kind, config, weights, sources[module] = saved_module(checkpoint, module)
+        export = whole_export(kind, config, sources[module], module)
+        tensors = hf_tensors(export, sources[module], weights)
+        tensors |= {name: sources[module].tensor(carried) for name, carried in export.carried.items()}
+        files.append(shard_name(len(files), len(modules)))
+        write_atomically(path / files[-1], lambda f: save_tensors(tensors, f))
+    source = _same_source(sources)
+    finish(path, files, source.config, source)
+    return path

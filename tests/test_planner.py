@@ -331,3 +331,37 @@ def test_a_frozen_module_is_priced_as_what_it_runs():
         assert part.dp_s == part.optimizer_s == 0 < full.dp_s and part.compute_s < full.compute_s
         assert part.memory_bytes < full.memory_bytes
         assert part.tp_s == pytest.approx(full.tp_s * (0.5 if passes == 1 else 1.0), rel=0.05)
+
+
+def test_an_encoder_computing_ahead_hides_its_fill():
+    """``parallel.forward_ahead`` on the frozen tower of the non-colocated VLM: its first microbatches are
+    ready when the step starts, so the step loses the tower side's share of one microbatch, and only
+    where the tower runs forward only."""
+    cluster = ClusterSpec(nodes=1, gpus_per_node=8)
+    frozen = ["vision.trainable=false"]
+
+    def step(*overrides):
+        experiment = load_experiment("non_colocated_vlm", list(overrides))
+        return predict_configured(experiment, build_graph(experiment).placement, cluster)
+
+    plain, ahead = step(*frozen), step(*frozen, "vision.parallel.forward_ahead=2")
+    fill = plain.costs["vision"].step_s / plain.costs["llm"].microbatches
+    assert plain.costs["vision"].step_s < plain.costs["llm"].step_s
+    assert plain.step_s - ahead.step_s == pytest.approx(fill)
+
+
+def test_parameters_frozen_by_glob_are_priced_by_their_share():
+    """``frozen`` globs: the weights' gradients, their sync, optimizer state and update only for the share
+    of parameters that train (here the LLM's embeddings and first block), between the whole module
+    trained and frozen with its inputs' gradients."""
+    globbed = workload_of(load_experiment("own_data_vlm", ["llm.frozen=[tok_embeddings.*,layers.0.*]"]))
+    frozen = workload_of(load_experiment("own_data_vlm", ["llm.trainable=false"]))
+    trained = workload_of(load_experiment("own_data_vlm"))
+    share = globbed.llm.trained_share
+    assert 0.2 < share < 0.8 and trained.llm.trained_share == 1.0
+    model, choice = CostModel(ClusterSpec(nodes=1, gpus_per_node=8)), Choice(tp=2, dp=2)
+    full, part, none = (model.module_cost(w.llm, choice, 16) for w in (trained, globbed, frozen))
+    assert part.dp_s == pytest.approx(share * full.dp_s) and part.optimizer_s == pytest.approx(share * full.optimizer_s)
+    assert none.compute_s < part.compute_s < full.compute_s
+    assert none.memory_bytes < part.memory_bytes < full.memory_bytes
+    assert globbed.llm.model_flops_per_sample == pytest.approx(trained.llm.model_flops_per_sample * (2 + share) / 3)

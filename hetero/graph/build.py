@@ -56,7 +56,42 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
         raise ConfigError("\n".join(errors))
     _check_connected(nodes, edges)
     schedule = resolve_schedule(experiment, placement)
-    return Graph(nodes, tuple(edges), order, placement, schedule)
+    graph = Graph(nodes, tuple(edges), order, placement, schedule)
+    microbatches = experiment.num_microbatches(order[0], nodes[order[0]].layout.dp)
+    if errors := [e for name in order for e in _forward_ahead_errors(graph, name, microbatches)]:
+        raise ConfigError("\n".join(errors))
+    return graph
+
+
+def _forward_ahead_errors(graph: Graph, name: str, microbatches: int) -> list[str]:
+    """What ``parallel.forward_ahead`` asks of a module: forward only in training, reading only the batch,
+    on ranks of its own, one pipeline stage, plain outgoing edges, under graph_1f1b."""
+    node = graph.nodes[name]
+    ahead = node.options.forward_ahead
+    if not ahead:
+        return []
+    field, errors = f"{name}.parallel.forward_ahead={ahead}", []
+    if graph.backward(name):
+        errors.append(f"{field}: only a module that runs forward only computes ahead (frozen, like everything it "
+                      f"reads from), but {name} {'trains' if node.trains else 'reads from a module that trains'}")
+    if graph.in_edges(name):
+        errors.append(f"{field}: {name} reads from {', '.join(e.src for e in graph.in_edges(name))}; a module that "
+                      "computes ahead reads only the batch")
+    shared = sorted({other for rank in node.layout.ranks for other in graph.placement.modules_on(rank)} - {name})
+    if shared:
+        errors.append(f"{field}: {name} shares ranks with {', '.join(shared)}; give it ranks of its own "
+                      f"({name}.layout.offset)")
+    if node.layout.pp > 1:
+        errors.append(f"{field}: {name}.layout.pp={node.layout.pp}; a module that computes ahead runs one stage")
+    for edge in graph.out_edges(name):
+        if edge.compression.enabled or edge.routed:
+            errors.append(f"{field}: edge {edge.name} is {'compressed' if edge.compression.enabled else 'routed'}; "
+                          "what a module computes ahead crosses plain edges (route or compress after a projector)")
+    if graph.schedule != "graph_1f1b":
+        errors.append(f"{field}: schedule={graph.schedule}; computing ahead needs schedule=graph_1f1b")
+    if ahead > microbatches:
+        errors.append(f"{field}: a step has {microbatches} microbatches; use at most {microbatches}")
+    return errors
 
 
 def _frozen(node: Node) -> tuple[list[str], bool]:

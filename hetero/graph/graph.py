@@ -84,10 +84,14 @@ class Graph:
 
     def training(self, name: str) -> str:
         """What training runs of module ``name``: ``trained``; ``frozen, input gradients`` (it passes
-        gradients back to a trained module it reads from); ``frozen, forward only``."""
+        gradients back to a trained module it reads from); ``frozen, forward only`` (and ``, N microbatches
+        ahead`` under ``parallel.forward_ahead``)."""
         if self.nodes[name].trains:
             return "trained"
-        return "frozen, input gradients" if self.backward(name) else "frozen, forward only"
+        if self.backward(name):
+            return "frozen, input gradients"
+        ahead = self.nodes[name].options.forward_ahead
+        return "frozen, forward only" + (f", {ahead} microbatches ahead" if ahead else "")
 
     def depth_after(self, name: str) -> int:
         """Pipeline stages on the longest path from ``name``'s last stage to a sink (its own excluded)."""

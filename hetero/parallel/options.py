@@ -22,6 +22,9 @@ class ParallelOptions:
     grad_bucket_mb: float = 25.0  # gradient all-reduce bucket size for data parallelism
     fsdp: bool = False  # shard parameters, gradients and optimizer state over dp×cp with FSDP2
     cp_attention: str = "ring"  # under cp > 1: K/V passed around the CP group (ring) or all-gathered
+    # A forward-only encoder on ranks of its own: how many of the next step's microbatches it computes
+    # and sends while its consumers finish this step (0: none); their outputs wait at the receivers.
+    forward_ahead: int = 0
 
     def errors(self, module: str) -> list[str]:
         errors = []
@@ -37,6 +40,8 @@ class ParallelOptions:
                           f"{', '.join(REDUCE_DTYPES)}")
         if self.cp_attention not in CP_ATTENTION:
             errors.append(f"{module}.parallel.cp_attention={self.cp_attention!r} is not one of {', '.join(CP_ATTENTION)}")
+        if self.forward_ahead < 0:
+            errors.append(f"{module}.parallel.forward_ahead={self.forward_ahead} must be >= 0 (0: off)")
         if self.grad_bucket_mb <= 0:
             errors.append(f"{module}.parallel.grad_bucket_mb={self.grad_bucket_mb} must be > 0")
         return errors

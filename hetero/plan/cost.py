@@ -47,6 +47,14 @@ GIB = 1024**3
 TRAINING_PASSES = {"full": TRAINING_MULTIPLIER, "inputs": TRAINING_MULTIPLIER - 1, "forward": 1}
 
 
+def training_passes(module: Transformer) -> float:
+    """Passes of the forward's cost ``module`` runs per training step: the weights' gradients only for the
+    share of its parameters that train (matmuls in proportion to their weights)."""
+    if module.training != "full":
+        return TRAINING_PASSES[module.training]
+    return TRAINING_PASSES["full"] - 1 + module.trained_share
+
+
 @dataclass(frozen=True)
 class Stack:
     """Layers of a module that run at one token count per sample."""
@@ -88,6 +96,7 @@ class Transformer:
     stacks: tuple[Stack, ...] = ()  # genezip, video: the layers at each token count (``layers`` is their sum)
     outer: tuple[Gemm, ...] = ()  # genezip, video: the matmuls outside the layers
     training: str = "full"  # full | inputs (frozen: input gradients only) | forward (frozen, nothing trained above)
+    trained_share: float = 1.0  # full: the share of its parameters that train (the rest frozen by glob)
 
     @property
     def head_dim(self) -> int:
@@ -367,7 +376,7 @@ class CostModel:
         layers_per_stage = max(first_layers, later_layers)
         backward = module.training != "forward"
         recompute = choice.recompute and backward
-        passes = TRAINING_PASSES[module.training] + (1 if recompute else 0)
+        passes = training_passes(module) + (1 if recompute else 0)
 
         first, last = (passes * t for t in self.outer_forward_s(module, choice))
         tp_link, cp_link = self.cluster.link(tp), self.cluster.link(tp * cp)
@@ -410,8 +419,9 @@ class CostModel:
         dp_s = allreduce_s(4 * stage_params * grad_ratio, dp * cp, dp_link)  # CP ranks hold the same weights
         state = stage_params * (16 if self.device.precision == "fp32" else 6 + 12 / (dp * cp))
         optimizer_s = self.elementwise_s(4, stage_params * 28 / (1 if self.device.precision == "fp32" else dp * cp))
-        if module.training != "full":  # frozen: fp32 weights only, nothing to sync or update
-            dp_s, optimizer_s, state = 0.0, 0.0, 4 * stage_params
+        # frozen parameters: fp32 weights only, nothing to sync or update
+        share = module.trained_share if module.training == "full" else 0.0
+        dp_s, optimizer_s, state = share * dp_s, share * optimizer_s, 4 * stage_params + share * (state - 4 * stage_params)
 
         in_flight = min(held_microbatches or pp, microbatches)
         activations = sum(n * in_flight * per for n, per in zip(stage_layers, saved))

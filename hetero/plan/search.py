@@ -28,7 +28,7 @@ from hetero.graph.build import resolve_schedule
 from hetero.parallel.placement import Placement
 from hetero.plan.cluster import ClusterSpec
 from hetero.plan.cost import GIB, Choice, CostModel, ModuleCost, Transformer, send_s
-from hetero.plan.workload import Workload, workload_of
+from hetero.plan.workload import Workload, training_modes, workload_of
 
 MODES = ("homogeneous", "colocated", "colocated_1f1b", "non_colocated")
 
@@ -307,11 +307,17 @@ class Planner:
                 "colocated_1f1b": self.plans_of("colocated_1f1b", colocated), "non_colocated": self.non_colocated(world)}
 
 
-def graph_pipeline_s(sides: list[float], microbatches: int) -> float:
+def graph_pipeline_s(sides: list[float], microbatches: int, ahead: bool = False) -> float:
     """A step of disjoint sets of ranks chained by one 1F1B over the graph (each side's step time given):
-    the slowest side's step, plus every other side's share of one microbatch (filling and draining)."""
+    the slowest side's step, plus every other side's share of one microbatch (filling and draining). A
+    first side that computes ``ahead`` the next step's first microbatches during this one (a forward-only
+    encoder, ``parallel.forward_ahead``) has them ready when the step starts: its fill is hidden, unless
+    it is itself the slowest."""
     slowest = max(sides)
-    return slowest + (sum(sides) - slowest) / microbatches
+    fill = sum(sides) - slowest
+    if ahead and sides[0] < slowest:
+        fill -= sides[0]
+    return slowest + fill / microbatches
 
 
 def phased_colocated_s(llm: ModuleCost, encoders: list[ModuleCost]) -> float:
@@ -367,7 +373,10 @@ def predict_configured(experiment: ExperimentConfig, placement: Placement, clust
         if resolve_schedule(experiment, placement) == "phased":  # each side waits out the others' whole steps
             step = sum(side_s) + boundary
         else:
-            step = graph_pipeline_s(side_s, costs[llm].microbatches) + boundary
+            modes = training_modes(experiment)
+            ahead = front != back and bool(encoders) and all(
+                experiment.modules[n].parallel.forward_ahead and modes[n] == "forward" for n in encoders)
+            step = graph_pipeline_s(side_s, costs[llm].microbatches, ahead) + boundary
         mode = "non_colocated"
     else:
         raise ConfigError(

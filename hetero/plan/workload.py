@@ -11,7 +11,7 @@ from hetero.errors import ConfigError
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
 from hetero.parallel.compression.edge_config import ActivationCodecConfig, EdgeCompressionConfig
 from hetero.kinds.flops import TRAINING_MULTIPLIER
-from hetero.plan.cost import TRAINING_PASSES, Transformer, describe
+from hetero.plan.cost import Transformer, describe, training_passes
 
 
 @dataclass
@@ -148,17 +148,17 @@ def workload_of(
     boundaries = {e.src: b for e in experiment.edges if e.dst == llm and (b := edge_wire_bytes(e.compression, act))}
     boundaries |= {e.dst: b for e in experiment.edges if e.src == llm and (b := edge_wire_bytes(e.compression, act))}
     stages = edge_wire_bytes(experiment.modules[llm].compression.pipeline, act)
-    modes = training_modes(experiment)
-    encoders = {name: priced(module, modes[name]) for name, module in encoders.items()}
-    consumers = {name: priced(module, modes[name]) for name, module in consumers.items()}
-    return Workload(priced(describe(llm, "gpt", llm_config, context), modes[llm]), encoders, sequences,
-                    per_sequence, ratios, boundaries, stages, consumers=consumers)
+    modes, shares = training_modes(experiment), trained_shares(experiment)
+    encoders = {name: priced(module, modes[name], shares[name]) for name, module in encoders.items()}
+    consumers = {name: priced(module, modes[name], shares[name]) for name, module in consumers.items()}
+    return Workload(priced(describe(llm, "gpt", llm_config, context), modes[llm], shares[llm]), encoders,
+                    sequences, per_sequence, ratios, boundaries, stages, consumers=consumers)
 
 
 def training_modes(experiment: ExperimentConfig) -> dict[str, str]:
     """Per module what training runs of it (``Transformer.training``): ``full`` unless ``trainable:
     false``; a frozen module ``inputs`` when a module it reads from (at any distance) trains, else
-    ``forward``. (Globs in ``frozen`` leave a module priced as trained.)"""
+    ``forward``. (A trained module's ``frozen`` globs are its ``trained_shares``.)"""
     modes: dict[str, str] = {}
 
     def backward(name: str) -> bool:
@@ -169,10 +169,32 @@ def training_modes(experiment: ExperimentConfig) -> dict[str, str]:
     return modes
 
 
-def priced(module: Transformer, training: str) -> Transformer:
-    """``module`` under ``training``, its model FLOPs the passes it runs (forward 1, inputs 2, full 3)."""
-    flops = module.model_flops_per_sample * TRAINING_PASSES[training] / TRAINING_MULTIPLIER
-    return dataclasses.replace(module, training=training, model_flops_per_sample=flops)
+def trained_shares(experiment: ExperimentConfig) -> dict[str, float]:
+    """Per module the share of its parameters (by count) that train: 1 without ``frozen`` globs, 0 under
+    ``trainable: false``; with globs, read from a build on the meta device (nothing allocated)."""
+    import torch
+
+    from hetero.graph.frozen import is_frozen
+    from hetero.models import default_registry
+
+    shares = {}
+    for name, module in experiment.modules.items():
+        if not module.trainable or not module.frozen:
+            shares[name] = float(module.trainable)
+            continue
+        with torch.device("meta"):
+            params = list(default_registry()[module.kind].build(experiment.model_config(name)).named_parameters())
+        total = sum(p.numel() for _, p in params)
+        shares[name] = sum(p.numel() for n, p in params if not is_frozen(module, n)) / total
+    return shares
+
+
+def priced(module: Transformer, training: str, share: float = 1.0) -> Transformer:
+    """``module`` under ``training`` (``share`` of its parameters training, when it trains), its model
+    FLOPs the passes it runs (forward 1, inputs 2, full 2 + the share)."""
+    module = dataclasses.replace(module, training=training, trained_share=share)
+    flops = module.model_flops_per_sample * training_passes(module) / TRAINING_MULTIPLIER
+    return dataclasses.replace(module, model_flops_per_sample=flops)
 
 
 def _reaching(experiment: ExperimentConfig, target: str, backward: bool) -> set[str]:

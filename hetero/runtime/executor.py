@@ -77,10 +77,14 @@ class Executor:
     def _traced(self, name: str, category: str):
         return self.trace.span(name, category) if self.trace is not None else contextlib.nullcontext()
 
-    def run(self, actions: list[Action]) -> None:
+    def run(self, actions: list[Action], wait: bool = True) -> None:
+        """Run ``actions``; then, unless ``wait`` is false (sends for the next step, received there), wait
+        for every send they posted."""
         for action in actions:
             with self._traced(str(action), "action"):
                 self.handlers[action.op](action.target, action.microbatch)
+        if not wait:
+            return
         for edge in self.runtime.edges.values():
             edge.wait_sends()
         for links in self.runtime.links.values():

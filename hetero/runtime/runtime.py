@@ -67,6 +67,10 @@ class Runtime:
         self.actions = {training: check_schedule(graph, microbatches, training)[self.rank] for training in (True, False)}
         # each module's last backward on this rank in a training step (its gradients are final after it)
         self.final_backward = {a.target: a.microbatch for a in self.actions[True] if a.op == "B"}
+        # a forward-only encoder on ranks of its own: the next step's first microbatches it computes at
+        # the end of a step, and how many of this step's it sent so (``train_step``'s ``upcoming``)
+        self.ahead = max((m.node.options.forward_ahead for m in self.modules.values()), default=0)
+        self.sent_ahead = 0
         self.step = 0
         self.nonfinite: dict[str, list[int]] = {}  # the last step's, when it was skipped
         self.timer = ModuleTimer(graph.nodes, self.device)  # this rank's compute time per module
@@ -91,13 +95,17 @@ class Runtime:
 
     # ----------------------------------------------------------------------------------- a step
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def train_step(self, batch: dict[str, torch.Tensor],
+                   upcoming: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer step on the global batch: the combined loss, each module's loss and parts
-        (``<module>.loss``, ``<module>.<part>``), the gradient norm before clipping and ``stepped``."""
+        (``<module>.loss``, ``<module>.<part>``), the gradient norm before clipping and ``stepped``.
+        ``upcoming``: the next step's batch (every rank gets the same one), when a training step follows
+        this one directly: a module with ``parallel.forward_ahead`` then computes and sends its first
+        microbatches at the end of this step, while the modules it feeds finish this one."""
         with self.trace.step(self.step) if self.trace is not None else contextlib.nullcontext():
-            return self._train_step(batch)
+            return self._train_step(batch, upcoming)
 
-    def _train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def _train_step(self, batch: dict[str, torch.Tensor], upcoming: dict[str, torch.Tensor] | None) -> dict[str, float]:
         self._check(batch)
         rows = StepRows(self.graph, batch, self.microbatches)
         for module in self.modules.values():
@@ -105,7 +113,10 @@ class Runtime:
         edge_states = {key: end.state_dict() for key, end in self.edge_ends().items()}
         self._begin(rows, batch, training=True)
         executor = Executor(self, batch, rows, True, self.step)
-        executor.run(self.actions[True])
+        sent, self.sent_ahead = self.sent_ahead, 0
+        executor.run([a for a in self.actions[True] if a.microbatch >= sent])  # the rest went a step ago
+        if upcoming is not None and self.ahead:
+            self._forward_ahead(upcoming)
         with self._span("loss and non-finite check"):
             for module in self.modules.values():
                 module.settle_grads()
@@ -136,9 +147,21 @@ class Runtime:
         self.step += 1
         return metrics | {"grad_norm": grad_norm, "stepped": float(math.isfinite(grad_norm))}
 
+    def _forward_ahead(self, upcoming: dict[str, torch.Tensor]) -> None:
+        """This rank's forward-only encoder (``parallel.forward_ahead``, alone on its ranks): the next step's
+        first microbatches' forwards and edge sends, in the order its list gives them, left in flight (the
+        receivers post their receives in the next step, as for the microbatches that follow)."""
+        self._check(upcoming)
+        executor = Executor(self, upcoming, StepRows(self.graph, upcoming, self.microbatches), True, self.step + 1)
+        executor.run([a for a in self.actions[True] if a.microbatch < self.ahead], wait=False)
+        self.sent_ahead = self.ahead
+
     def evaluate(self, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Losses and each module's metrics (``<module>.<metric>``) over held-out batches, forwards only,
         without changing anything; losses are sums over every batch over the global counts."""
+        if self.sent_ahead:
+            raise RuntimeError("evaluate() after a training step that computed the next one's first microbatches "
+                               "ahead: pass train_step no upcoming batch before an evaluation")
         losses = counts = metric_sums = lows = keys = None
         for batch in batches:
             self._check(batch)

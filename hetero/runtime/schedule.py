@@ -15,7 +15,11 @@ stage and of the destination's first stage takes part). A schedule gives each ra
   by a simulation of the step (``_graph_1f1b``); on disjoint placements each rank runs its one queue.
 
 A module with nothing trained at or above it (``Graph.backward``: frozen, and so is every module it
-reads from) runs forward only: no ``B`` in training, and no ``EB`` on its outgoing edges.
+reads from) runs forward only: no ``B`` in training, and no ``EB`` on its outgoing edges. Alone on its
+ranks with ``parallel.forward_ahead`` = k, its list (F and EF only) is cut in two at run time
+(``Runtime.train_step``): a step runs its actions of microbatches k.. and then those of the next step's
+microbatches ..k-1, whose sends the receivers take in that next step. Every edge still carries the
+microbatches in order, so the lists checked here pair as they are.
 
 ``check_schedule`` runs every rank's list in a simulation (``_Progress``: sends posted on entering an
 action, receives waiting for their sends, edge calls of the phased schedule waiting for all their ranks) and checks that

@@ -178,15 +178,17 @@ def check_bf16_parity(ranks: list[Record], bf16: Record, fp32: Record, what: str
             f"{worst.loss:.1e}, gradient shift from fp32 " + ", ".join(f"{m} {s:.1e}" for m, s in shifts.items()))
 
 
-def record_run(runtime, batches: Iterable[dict], keys: Sequence[str] = ("loss",)) -> Record:
+def record_run(runtime, batches: Iterable[dict], keys: Sequence[str] = ("loss",), ahead: bool = False) -> Record:
     """Train ``runtime`` (a ``hetero.runtime.Runtime``) on ``batches``: each step's metrics named by
     ``keys``, its gradient norm before clipping, and every gradient this rank holds after the first step
-    (``module_grads``: collective over each module's ranks)."""
+    (``module_grads``: collective over each module's ranks). ``ahead``: each step gets the next one's
+    batch (``train_step``'s ``upcoming``)."""
     from hetero.testing.experiments import module_grads
 
-    record = Record()
+    record, batches = Record(), list(batches)
     for step, batch in enumerate(batches):
-        metrics = runtime.train_step(batch)
+        upcoming = batches[step + 1] if ahead and step + 1 < len(batches) else None
+        metrics = runtime.train_step(batch, upcoming)
         record.losses.append([metrics[key] for key in keys])
         record.grad_norms.append(metrics["grad_norm"])
         if step == 0:

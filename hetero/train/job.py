@@ -114,17 +114,23 @@ def _loop(job: Job, start: int) -> dict[str, float]:
     loader = StepLoader(train_batches, start + 1, cfg.steps, cfg.sample_reuse, cfg.data.workers, runtime.device,
                         experiment.timeout_s, reads)
     tick, waited = time.perf_counter(), []  # the first step's time includes starting the workers
-    batches, step = iter(loader), start
-    while True:
-        item = agreed(lambda: next(batches, None), runtime.device, f"its batch for step {step + 1}")
-        if item is None:
-            break
+    batches = iter(loader)
+    # a module computing ahead (parallel.forward_ahead) takes the next step's batch during this one
+    ahead = any(node.options.forward_ahead for node in job.graph.nodes.values())
+
+    def fetch(after: int):
+        return agreed(lambda: next(batches, None), runtime.device, f"its batch for step {after + 1}")
+
+    item = fetch(start)
+    while item is not None:
         step, batch, skipped = item
         waited.append(loader.wait_s)
         if skipped:  # by a worker, on its own copy of the batches
             train_batches.skip(skipped)
+        evaluates = bool(cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
+        following = fetch(step) if ahead and not evaluates else None  # none before an evaluation: it sends too
         with guard.step(f"step {step}"):
-            metrics = runtime.train_step(batch)
+            metrics = runtime.train_step(batch, following[1] if following is not None else None)
         if cfg.sample_log:
             log.samples(step, batch["index"])
         seconds = time.perf_counter() - tick  # waiting for the batch and training on it
@@ -138,13 +144,14 @@ def _loop(job: Job, start: int) -> dict[str, float]:
                 speed["data/skipped"] = float(train_batches.skipped)
             log.progress(step, metrics | speed | _residuals(runtime) | _compensation(runtime) | expert_routing(runtime),
                          communicator_bytes(runtime))
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+        if evaluates:
             with guard.step(f"evaluation at step {step}"):
                 evaluated = evaluate(runtime, heldout, cfg.eval_batches, reads)
             log.evaluation(step, evaluated, time.perf_counter() - started)
         if job.checkpoints.due(step, cfg.steps):
             job.checkpoints.save(runtime, step)
         tick = time.perf_counter()
+        item = following if ahead and not evaluates else fetch(step)
     job.checkpoints.close()
     if not evaluated:  # resumed at the last step: nothing left to train
         evaluated = evaluate(runtime, heldout, cfg.eval_batches, reads)

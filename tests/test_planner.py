@@ -78,7 +78,7 @@ def test_pipeline_bubble_and_dp_traffic():
 def test_nothing_fits_one_small_device():
     cluster = ClusterSpec(nodes=1, gpus_per_node=1, device=DeviceSpec(memory_gib=16))
     plans = Planner(cluster, workload_of(load_experiment("vlm_7b"))).plans()
-    assert plans == {"homogeneous": [], "colocated": [], "colocated_1f1b": [], "non_colocated": []}
+    assert plans == {"megatron": [], "homogeneous": [], "colocated": [], "colocated_1f1b": [], "non_colocated": []}
 
 
 def test_long_context_vlm_on_64_h100s():
@@ -365,3 +365,21 @@ def test_parameters_frozen_by_glob_are_priced_by_their_share():
     assert none.compute_s < part.compute_s < full.compute_s
     assert none.memory_bytes < part.memory_bytes < full.memory_bytes
     assert globbed.llm.model_flops_per_sample == pytest.approx(trained.llm.model_flops_per_sample * (2 + share) / 3)
+
+
+def test_the_megatron_style_baseline_splits_evenly_and_plan_takes_any_world_size(capsys):
+    """``megatron``: the homogeneous grid with the LLM's layers split evenly, never faster than the tuned
+    split, and each gain line names its baseline. ``--gpus 17``: two nodes of 8 and one device more."""
+    cluster = load_cluster("h100_64")
+    plans = Planner(cluster, workload_of(load_experiment("vlm_7b"))).plans()
+    even, tuned = plans["megatron"][0], plans["homogeneous"][0]
+    assert even.mode == "megatron" and even.step_s >= tuned.step_s
+    assert all(p.costs["llm"].step_s > 0 for p in plans["megatron"])
+    assert heterogeneous_gain(plans, "megatron") >= heterogeneous_gain(plans, "homogeneous")
+    assert main(["plan", "--cluster", "h100_64", "--gpus", "17", "vlm_7b"]) == 0
+    out = capsys.readouterr().out
+    assert "on 17 devices" in out and "llm[16]" in out  # a 17-way homogeneous grid fits nothing here
+    assert main(["plan", "--cluster", "h100_64", "vlm_7b"]) == 0
+    out = capsys.readouterr().out
+    assert "the throughput of the Megatron-style baseline (every module on the LLM's grid" in out
+    assert "the throughput of the best homogeneous plan (its first stage's layers tuned)" in out

@@ -55,10 +55,18 @@ class ClusterSpec:
     device: DeviceSpec = field(default_factory=DeviceSpec)
     intra_node: LinkSpec = field(default_factory=lambda: LinkSpec(360.0, 6.0))
     inter_node: LinkSpec = field(default_factory=LinkSpec)
+    gpus: int = 0  # devices in all, the last node partly used (0: every device of every node)
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
+        return self.gpus or self.nodes * self.gpus_per_node
+
+    def gpus_errors(self) -> list[str]:
+        whole = self.nodes * self.gpus_per_node
+        if self.gpus and not whole - self.gpus_per_node < self.gpus <= whole:
+            return [f"gpus={self.gpus} does not fill the last of nodes={self.nodes} of gpus_per_node={self.gpus_per_node}: "
+                    f"give {whole - self.gpus_per_node + 1} to {whole}, or set nodes={-(-self.gpus // self.gpus_per_node)}"]
+        return []
 
     def link(self, span: int) -> LinkSpec:
         """The slowest link a group of ``span`` consecutive ranks crosses."""
@@ -100,6 +108,7 @@ def cluster_from_dict(raw: dict, source: str = "cluster") -> ClusterSpec:
     for name in ("nodes", "gpus_per_node"):
         if not isinstance(getattr(spec, name), int) or getattr(spec, name) < 1:
             errors.append(f"{name}={getattr(spec, name)!r} must be a positive integer")
+    errors += spec.gpus_errors()
     device = spec.device
     for name in ("memory_gib", "peak_tflops", "matmul_tflops", "memory_gb_s"):
         if getattr(device, name) <= 0:

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import json
 from pathlib import Path
@@ -35,6 +37,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--clip-frames", type=int, default=32,
                       help="frames per clip of a video module (default 32, what hetero data video-clips writes)")
     plan.add_argument("--top", type=int, default=3, help="also list the N fastest plans of any mode")
+    plan.add_argument("--gpus", type=int, default=0,
+                      help="devices in all, the last node partly used (e.g. 17: two nodes of 8 and one more)")
     plan.add_argument("--as-configured", action="store_true", help="predict the config's own layouts only")
     plan.add_argument("--plot", metavar="PNG", help="plot the placement modes across --contexts")
     plan.add_argument("--json", metavar="PATH", help="write the plans as JSON")
@@ -64,6 +68,8 @@ def run(args: argparse.Namespace) -> None:
             return
     else:
         cluster = load_cluster(args.cluster)
+    if args.gpus:
+        cluster = dataclasses.replace(cluster, nodes=-(-args.gpus // cluster.gpus_per_node), gpus=args.gpus)
     if placement is not None:
         plan = predict_configured(experiment, placement, cluster, args.clip_frames)
         print(f"{experiment.name} as configured on {cluster.name}: {plan.model_flops / 1e12:.3g} TFLOP per step")

@@ -90,6 +90,7 @@ class Transformer:
     out_width: int = 0  # vit: what crosses the boundary per output token (the projector's width, if any)
     out_tokens: int = 0  # vit: tokens handed on per image
     projector: bool = True  # vit: an MLP projector (in to out_width) after the layers
+    merge: int = 1  # vit: a merger of merge × merge patches into one token (out_tokens) in place of the projector
     positions: bool = True  # vit: learned position embeddings (a projector of its own has none)
     model_flops_per_sample: float = 0.0  # training FLOPs (MFU convention), from hetero.kinds.flops
     idle_ffn: int = 0  # gpt with experts: the units of the experts a token skips (memory, no compute); ffn is the active ones
@@ -126,6 +127,9 @@ class Transformer:
         if self.outer:
             return sum(g.k * g.n for g in self.outer)
         projector = self.hidden * self.out_width + self.out_width**2 if self.projector else 0
+        if self.merge > 1:
+            width = self.hidden * self.merge**2
+            projector = width * width + width * self.out_width
         return self.head_in * self.hidden + projector + (self.seq * self.hidden if self.positions else 0)
 
     @property
@@ -151,7 +155,7 @@ def describe(name: str, kind: str, config: GPTConfig | ViTConfig | GeneZipConfig
             name, "vit", config.used_layers, config.hidden_size, config.num_heads,
             config.num_heads, config.ffn_size, config.seq_len,
             head_in=config.channels * config.patch_size**2, out_width=config.out_size, out_tokens=config.feature_tokens,
-            projector=config.projector,
+            projector=config.projector, merge=config.merge,
             model_flops_per_sample=TRAINING_MULTIPLIER * vit_forward_flops_per_image(config),
         )
     if kind == "projector":  # no layers: the MLP only (one head: the search keeps it at tp=1)
@@ -344,6 +348,11 @@ class CostModel:
             last = self.gemm_s(tokens, module.hidden, vocab) + self.elementwise_s(4, 4 * tokens * vocab * 4)
             return first, last
         first = self.gemm_s(tokens, module.head_in, module.hidden) + self.elementwise_s(2, 2 * tokens * module.hidden * act)
+        if module.merge > 1:  # the merger: a norm per patch, then two matmuls over the merged tokens
+            merged, width = math.ceil(tokens / module.merge**2), module.hidden * module.merge**2
+            last = (self.elementwise_s(2, 2 * tokens * module.hidden * act) + self.gemm_s(merged, width, width)
+                    + self.gemm_s(merged, width, module.out_width))
+            return first, last
         if not module.projector:
             return first, 0.0
         last = (self.gemm_s(tokens, module.hidden, module.out_width) + self.gemm_s(tokens, module.out_width, module.out_width)

@@ -6,16 +6,23 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hetero.plan.cluster import ClusterSpec
-from hetero.plan.search import MODES, Plan
+from hetero.plan.search import BASELINES, MODES, Plan
 from hetero.plan.workload import Workload
 
 
-def heterogeneous_gain(plans: dict[str, list[Plan]]) -> float | None:
-    """Best homogeneous step time over the best heterogeneous one (> 1: heterogeneous is faster)."""
-    hetero = [p[0].step_s for mode, p in plans.items() if mode != "homogeneous" and p]
-    if not plans["homogeneous"] or not hetero:
+BASELINE_NAMES = {
+    "megatron": "the Megatron-style baseline (every module on the LLM's grid, the encoders in its first stage, "
+                "the layers split evenly)",
+    "homogeneous": "the best homogeneous plan (its first stage's layers tuned)",
+}
+
+
+def heterogeneous_gain(plans: dict[str, list[Plan]], baseline: str = "homogeneous") -> float | None:
+    """``baseline``'s best step time over the best heterogeneous one (> 1: heterogeneous is faster)."""
+    hetero = [p[0].step_s for mode, p in plans.items() if mode not in BASELINES and p]
+    if not plans.get(baseline) or not hetero:
         return None
-    return plans["homogeneous"][0].step_s / min(hetero)
+    return plans[baseline][0].step_s / min(hetero)
 
 
 def plan_row(plan: Plan, cluster: ClusterSpec) -> str:
@@ -36,9 +43,9 @@ def format_context(context: int, workload: Workload, plans: dict[str, list[Plan]
     ]
     for mode in MODES:
         lines.append(plan_row(plans[mode][0], cluster) if plans[mode] else f"{mode:<14} (no layout fits)")
-    gain = heterogeneous_gain(plans)
-    if gain is not None:
-        lines.append(f"best heterogeneous is {gain:.3f}x the best homogeneous throughput")
+    for baseline in BASELINES:
+        if (gain := heterogeneous_gain(plans, baseline)) is not None:
+            lines.append(f"best heterogeneous is {gain:.3f}x the throughput of {BASELINE_NAMES[baseline]}")
     ranked = sorted((p for ps in plans.values() for p in ps[:top]), key=lambda p: p.step_s)[:top]
     if top > 1 and ranked:
         lines.append(f"the {len(ranked)} fastest plans:")
@@ -73,12 +80,14 @@ def plot(results: list[tuple[int, dict[str, list[Plan]]]], cluster: ClusterSpec,
              title=f"best plan per placement ({cluster.world_size} devices)")
     left.set_xticks(contexts, [f"{c // 1024}k" for c in contexts])
     left.legend()
-    gains = [(c, g) for c, p in results if (g := heterogeneous_gain(p)) is not None]
-    if gains:
-        right.plot(*zip(*gains), marker="o", color="black")
+    for baseline, color in zip(BASELINES, ("black", "grey")):
+        gains = [(c, g) for c, p in results if (g := heterogeneous_gain(p, baseline)) is not None]
+        if gains:
+            right.plot(*zip(*gains), marker="o", color=color, label=f"over {baseline}")
     right.axhline(1.0, color="grey", linewidth=0.8)
-    right.set(xscale="log", xlabel="LLM context (tokens)", ylabel="homogeneous step / heterogeneous step",
+    right.set(xscale="log", xlabel="LLM context (tokens)", ylabel="baseline step / heterogeneous step",
               title="gain of the best heterogeneous plan")
+    right.legend()
     right.set_xticks(contexts, [f"{c // 1024}k" for c in contexts])
     fig.suptitle(title)
     fig.tight_layout()

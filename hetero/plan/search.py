@@ -30,7 +30,10 @@ from hetero.plan.cluster import ClusterSpec
 from hetero.plan.cost import GIB, Choice, CostModel, ModuleCost, Transformer, send_s
 from hetero.plan.workload import Workload, training_modes, workload_of
 
-MODES = ("homogeneous", "colocated", "colocated_1f1b", "non_colocated")
+# megatron: the homogeneous layout as Megatron runs it by default (the encoders whole in the first
+# stage, the LLM's layers split evenly); homogeneous: the same with the first stage's layers tuned.
+MODES = ("megatron", "homogeneous", "colocated", "colocated_1f1b", "non_colocated")
+BASELINES = ("megatron", "homogeneous")
 
 
 @dataclass
@@ -165,8 +168,10 @@ class Planner:
         options.sort(key=lambda pair: pair[1].step_s)
         return options[:keep] if keep else options
 
-    def homogeneous(self, world: int) -> list[Plan]:
-        """Every module on the LLM's grid; encoders inside its first stage, consumers inside its last."""
+    def homogeneous(self, world: int, even: bool = False) -> list[Plan]:
+        """Every module on the LLM's grid; encoders inside its first stage, consumers inside its last. The
+        first stage takes the number of the LLM's layers that is fastest, or with ``even`` its even share
+        (Megatron's default: plans of mode ``megatron``)."""
         llm, plans = self.workload.llm, []
         for choice in self.choices(llm, world, self.workload.sequences, pp=True, cp=True):
             extra, extra_last, encoder_costs, encoder_memory = 0.0, 0.0, {}, 0.0
@@ -187,7 +192,7 @@ class Planner:
                 encoder_memory += cost.memory_bytes * min(choice.pp, math.ceil(self.workload.sequences / choice.dp / choice.micro))
             else:
                 # Like Megatron's --decoder-first-pipeline-num-layers: the encoder's stage may take fewer layers.
-                firsts = range(math.ceil(llm.layers / choice.pp) + 1) if choice.pp > 1 else [None]
+                firsts = range(math.ceil(llm.layers / choice.pp) + 1) if choice.pp > 1 and not even else [None]
                 cost = min(
                     (self.model.module_cost(llm, choice, self.workload.sequences, self.workload.grad_ratio.get(llm.name, 1.0),
                                             extra_first_stage_s=extra, first_stage_layers=first,
@@ -201,7 +206,7 @@ class Planner:
                 step = cost.step_s + sum(c.dp_s for c in encoder_costs.values())
                 ranks = {n: world for n in [*self.workload.others, llm.name]}
                 choices = {n: choice for n in self.workload.others} | {llm.name: choice}  # one grid for all
-                plans.append(Plan("homogeneous", ranks, choices, encoder_costs | {llm.name: cost}, step,
+                plans.append(Plan("megatron" if even else "homogeneous", ranks, choices, encoder_costs | {llm.name: cost}, step,
                                   memory / GIB, 0.0, self.workload.model_flops, world, tuple(encoder_costs)))
         return sorted(plans, key=lambda plan: plan.step_s)
 
@@ -303,7 +308,8 @@ class Planner:
         """Every placement mode's plans that fit, fastest first."""
         world = world or self.cluster.world_size
         colocated = self.colocated(world)
-        return {"homogeneous": self.homogeneous(world), "colocated": self.plans_of("colocated", colocated),
+        return {"megatron": self.homogeneous(world, even=True), "homogeneous": self.homogeneous(world),
+                "colocated": self.plans_of("colocated", colocated),
                 "colocated_1f1b": self.plans_of("colocated_1f1b", colocated), "non_colocated": self.non_colocated(world)}
 
 

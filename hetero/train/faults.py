@@ -144,6 +144,19 @@ class FaultGuard:
     def _exit(self, message: str, err: BaseException | None) -> None:
         if not self._exiting.acquire(blocking=False):  # another thread is already reporting and exiting
             time.sleep(3600)
+        if threading.current_thread() is threading.main_thread():
+            # torch's data loader raises from its SIGCHLD handler wherever the main thread is when a worker
+            # dies; raised inside the report it would end the rank without one
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        try:
+            self._report(message, err)
+        except BaseException:  # noqa: BLE001 - an exception raised asynchronously into the report: once more
+            with contextlib.suppress(BaseException):
+                self._report(message, err)
+        os._exit(1)
+
+    def _report(self, message: str, err: BaseException | None) -> None:
+        """Record this rank's failure in the store and print its report (naming the peer it started at)."""
         with contextlib.suppress(Exception):
             self.store.set(f"{self.prefix}exiting/{self.rank}", message)
         own = describe_rank(self.placement, self.rank)
@@ -169,4 +182,3 @@ class FaultGuard:
                     for peer in silent
                 ]
         print("\n".join(lines), file=sys.stderr, flush=True)
-        os._exit(1)

@@ -39,6 +39,10 @@ class ViTConfig:
     # Native resolution: > 0 takes images at their own sizes, each at most this many patches, packed
     # (``image_*`` columns); the learned positions (an image_size grid) are interpolated to each image's.
     max_patches: int = 0
+    # Spatial merging (Qwen2-VL's PatchMerger): > 1 merges each merge × merge block of neighbouring
+    # patches into one token, a LayerNorm and an MLP (merge² · hidden -> merge² · hidden -> out_size) in
+    # place of the projector: an image hands on num_patches / merge² tokens.
+    merge: int = 1
     # Images as items (LLaVA-style: any number per row, each at its own placeholders): ``image_pixels``
     # (one image_size image per item) with ``image_row`` and ``image_start``. Native resolution takes
     # items whatever this says.
@@ -65,7 +69,7 @@ class ViTConfig:
     @property
     def feature_tokens(self) -> int:
         """Features handed on per image: the patches', after the class token's where it is kept."""
-        return self.num_patches + int(self.class_token and self.class_feature)
+        return self.num_patches // self.merge**2 + int(self.class_token and self.class_feature)
 
     @property
     def used_layers(self) -> int:
@@ -113,7 +117,20 @@ class ViTConfig:
         if self.max_patches and layout.pp > 1:
             errors.append(f"{module}.model.max_patches={self.max_patches} (native resolution) runs on one pipeline "
                           f"stage; set {module}.layout.pp=1 and spread it with dp or tp")
-        if not self.projector and self.out_size != self.hidden_size:
+        side = self.image_size // self.patch_size
+        if self.merge < 1:
+            errors.append(f"{module}.model.merge={self.merge} must be >= 1 (1: no merging)")
+        elif self.merge > 1:
+            if side % self.merge:
+                errors.append(f"{module}.model.merge={self.merge} does not divide the {side}×{side} patch grid "
+                              f"(image_size / patch_size); choose a merge that divides {side}")
+            if self.projector:
+                errors.append(f"{module}.model.merge={self.merge}: the merger projects into out_size in place of "
+                              f"the projector; set {module}.model.projector=false")
+            if self.class_feature or self.max_patches:
+                errors.append(f"{module}.model.merge={self.merge} merges a fixed grid of patches: set "
+                              f"{module}.model.class_feature=false and max_patches=0")
+        if not self.projector and self.merge == 1 and self.out_size != self.hidden_size:
             errors.append(
                 f"{module}.model.out_size={self.out_size} is the projector's width, but projector=false hands on "
                 f"the features (hidden_size={self.hidden_size}); set {module}.model.out_size={self.hidden_size}"

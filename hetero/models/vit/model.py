@@ -85,12 +85,32 @@ class EncoderBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class PatchMerger(nn.Module):
+    """Each ``merge`` × ``merge`` block of neighbouring patches (a row-major grid ``side`` wide) into one
+    token: a LayerNorm of each patch, the block's patches side by side, then Linear-GELU-Linear into
+    ``out_size`` (Qwen2-VL's merger)."""
+
+    def __init__(self, hidden_size: int, merge: int, out_size: int, eps: float):
+        super().__init__()
+        self.merge, width = merge, hidden_size * merge**2
+        self.norm = nn.LayerNorm(hidden_size, eps=eps)
+        self.proj_in = nn.Linear(width, width)
+        self.proj_out = nn.Linear(width, out_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, patches, hidden = x.shape
+        side, m = math.isqrt(patches), self.merge
+        x = self.norm(x).view(batch, side // m, m, side // m, m, hidden).permute(0, 1, 3, 2, 4, 5)
+        return self.proj_out(F.gelu(self.proj_in(x.reshape(batch, patches // m**2, m * m * hidden))))
+
+
 class VisionEncoder(nn.Module):
     """ViT: patch embedding, a class token (where the variant has one), learned positions, pre-norm blocks.
 
-    ``forward(images)`` returns (batch, num_patches, out_size): the features of block ``feature_layer``
+    ``forward(images)`` returns (batch, feature_tokens, out_size): the features of block ``feature_layer``
     with the class token dropped, normalized (``feature_norm``), and projected (Linear-GELU-Linear) into
-    the LLM's width where the encoder holds its ``projector``. A pipeline stage (``keep_stage``) holds
+    the LLM's width where the encoder holds its ``projector``, or merged ``merge`` × ``merge`` into one
+    token each (``PatchMerger``). A pipeline stage (``keep_stage``) holds
     some of the blocks: the first embeds the images, later ones take the previous stage's hidden states
     (batch, seq_len, hidden_size), and all but the last hand theirs on.
     """
@@ -108,6 +128,8 @@ class VisionEncoder(nn.Module):
         # scale of its token embeddings instead of vanishing under its RMSNorm epsilon.
         self.feature_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps) if config.feature_norm else None
         self.projector = MLPProjector(config.hidden_size, config.out_size) if config.projector else None
+        self.merger = (PatchMerger(config.hidden_size, config.merge, config.out_size, config.norm_eps)
+                       if config.merge > 1 else None)
         self.is_last_stage = True
         self.reset_parameters()
 
@@ -151,6 +173,8 @@ class VisionEncoder(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         if self.feature_norm is not None:
             x = self.feature_norm(x)
+        if self.merger is not None:
+            return self.merger(x)
         return self.projector(x) if self.projector is not None else x
 
     def grid_positions(self, height: int, width: int) -> torch.Tensor:

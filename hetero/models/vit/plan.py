@@ -17,12 +17,12 @@ from hetero.parallel.options import ParallelOptions
 
 def keep_stage(model: VisionEncoder, stage: int, num_stages: int) -> None:
     """Drop everything pipeline stage ``stage`` does not own: the embedding after the first stage, the
-    features' norm and the projector before the last; block names stay global."""
+    features' norm, the projector and the merger before the last; block names stay global."""
     keep_stage_layers(model.layers, stage, num_stages)
     if stage > 0:
         model.patch_embed, model.cls_token, model.pos_embed, model.pre_norm = None, None, None, None
     if stage < num_stages - 1:
-        model.feature_norm, model.projector, model.is_last_stage = None, None, False
+        model.feature_norm, model.projector, model.merger, model.is_last_stage = None, None, None, False
 
 
 def parallelize_vision(model: VisionEncoder, mesh: ModuleMesh, options: ParallelOptions) -> VisionEncoder:
@@ -32,7 +32,8 @@ def parallelize_vision(model: VisionEncoder, mesh: ModuleMesh, options: Parallel
         tp_mesh = mesh.mesh["tp"]
         for block in model.layers.values():
             parallelize_module(block, tp_mesh, attention_mlp_plan("mlp."))
-        if model.projector is not None:
-            parallelize_module(model.projector, tp_mesh, {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})
+        for head in (model.projector, model.merger):
+            if head is not None:
+                parallelize_module(head, tp_mesh, {"proj_in": ColwiseParallel(), "proj_out": RowwiseParallel()})
     wrap_blocks(model, model.layers, mesh, options)
     return model

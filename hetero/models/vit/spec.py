@@ -69,8 +69,10 @@ class ViTKind(Kind):
         return config.per_item
 
     def item_costs(self, config: ViTConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Each image's patches."""
-        return self.item_tokens(config, batch)
+        """Each image's patches (what the blocks run over, merged or not)."""
+        if config.max_patches:
+            return batch["image_grid"].cpu().prod(1)
+        return torch.full((len(batch["image_row"]),), config.num_patches, dtype=torch.long, device="cpu")
 
     def item_tokens(self, config: ViTConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if config.max_patches:

@@ -141,11 +141,9 @@ class LlavaPart:
 
     def raw(self, name: str) -> str:
         """The whole checkpoint's name of this part's ``name``."""
-        if name in self._names:
-            return self._names[name]
-        if name == "lm_head.weight":
-            return self.prefix.removesuffix("model.") + "lm_head.weight"
-        return self.prefix + (name.removeprefix("model.") if self.part == "text" else name)
+        if name not in self._names:
+            raise KeyError(f"{self.path}: no tensor {name!r} in its {self.part} part")
+        return self._names[name]
 
     @property
     def files(self) -> dict[str, Path]:

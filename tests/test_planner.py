@@ -15,7 +15,7 @@ from hetero.models.gpt.config import GPTConfig
 from hetero.plan.cluster import ClusterSpec, DeviceSpec, LinkSpec, cluster_from_dict, load_cluster
 from hetero.plan.cost import GIB, Choice, CostModel, allreduce_s, describe, stacked_forward_flops
 from hetero.plan.report import heterogeneous_gain
-from hetero.plan.search import Planner, graph_pipeline_s, predict_configured
+from hetero.plan.search import Planner, graph_pipeline_s, linked_pipeline_s, predict_configured
 from hetero.plan.workload import gradient_wire_ratio, workload_of
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
 
@@ -65,7 +65,11 @@ def test_pipeline_bubble_and_dp_traffic():
     llm = describe("llm", "gpt", LLAMA_7B)
     pp4 = model.module_cost(llm, Choice(tp=2, pp=4, dp=2), samples=16)
     assert pp4.microbatches == 8
-    assert pp4.compute_s == pytest.approx((8 + 4 - 1) * pp4.microbatch_s)  # 1F1B: m + pp - 1 slots
+    # 1F1B: every microbatch through the slowest stage, one through each other stage (m + pp - 1 slots when
+    # they balance); the first stage has the embedding, the last the head, so here a little less
+    assert 8 + 3 * 0.8 < pp4.slots < 8 + 3 and pp4.compute_s == pytest.approx(pp4.slots * pp4.microbatch_s)
+    heavy = [model.module_cost(llm, Choice(tp=2, pp=4, dp=2), samples=16, extra_first_stage_s=x) for x in (1.0, 2.0)]
+    assert heavy[1].compute_s - heavy[0].compute_s == pytest.approx(8 * 1.0)  # the slowest stage, 8 times
     dense = model.module_cost(llm, Choice(tp=8, dp=2), samples=16)
     int8 = gradient_wire_ratio(CompressionConfig(grad=CompressorConfig(method="int8", block_size=64)))
     assert int8 == pytest.approx((1 + 4 / 64) / 4)
@@ -383,3 +387,62 @@ def test_the_megatron_style_baseline_splits_evenly_and_plan_takes_any_world_size
     out = capsys.readouterr().out
     assert "the throughput of the Megatron-style baseline (every module on the LLM's grid" in out
     assert "the throughput of the best homogeneous plan (its first stage's layers tuned)" in out
+
+
+def test_gemm_efficiency_by_shape_is_the_padded_tiles_and_the_sms_they_occupy():
+    device = DeviceSpec(matmul_tflops=1.0, matmul_overhead_us=0.0, sms=4, gemm_tile=128, attention_head_tile=32)
+    model = CostModel(ClusterSpec(device=device))
+    # 100 x 300 output: 1 x 3 tiles of 128², 3 of 4 SMs busy
+    assert model.gemm_efficiency(100, 300) == pytest.approx(100 * 300 / (3 * 128 * 128) * 3 / 4)
+    assert model.gemm_s(100, 64, 300) == pytest.approx(2 * 100 * 64 * 300 / 1e12 / model.gemm_efficiency(100, 300))
+    assert model.gemm_efficiency(512, 256) == 1.0  # 4 x 2 whole tiles fill the 4 SMs twice
+    assert CostModel(ClusterSpec(device=replace(device, sms=0))).gemm_efficiency(100, 300) == 1.0
+    # attention heads of 72 run as 96 in a kernel built for steps of 32
+    assert model.attention_s(1e12, head_dim=72) == pytest.approx(96 / 72)
+    assert model.attention_s(1e12, head_dim=64) == pytest.approx(1.0)
+
+
+def test_a_set_head_dim_is_what_the_cost_model_prices():
+    config = GPTConfig(vocab_size=1000, hidden_size=512, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=256,
+                       ffn_hidden_size=1024, seq_len=128)
+    module = describe("llm", "gpt", config)
+    assert module.head_dim == 256
+    # q (512 -> 4·256), k and v (512 -> 2·256), o (4·256 -> 512), SwiGLU (3 · 512 · 1024)
+    assert module.layer_params == 512 * 1024 + 2 * 512 * 512 + 1024 * 512 + 3 * 512 * 1024
+    assert describe("llm", "gpt", replace(config, head_dim=None)).head_dim == 128
+
+
+def test_the_bridge_comparison_prices_the_published_layouts():
+    from hetero.plan.published import BASELINE_GPUS, HETERO_GPUS, PUBLISHED, compare, report
+
+    cluster = load_cluster("h100_64")
+    row = compare(cluster, 2048, 32)
+    llm = row.megatron.choices["llm"]
+    assert (llm.tp, llm.cp, llm.pp, llm.dp) == (4, 1, 2, 2) and row.megatron.ranks["llm"] == BASELINE_GPUS
+    assert row.hetero.ranks == {"vision": 1, "llm": BASELINE_GPUS}
+    assert row.megatron.step_s > row.tuned.step_s > row.llm_alone.step_s  # the encoder costs stage 0 time
+    assert row.gain(row.megatron) == pytest.approx(row.megatron.step_s * 16 / (row.hetero.step_s * HETERO_GPUS) - 1)
+    text = report(cluster)
+    assert sum(line.startswith(f"| {seq}, {gbs} |") for seq, gbs in PUBLISHED for line in text.splitlines()) == 10  # gains, decomposition, 4096 with scaled images
+
+
+def test_the_sweep_finds_the_encoder_the_baseline_cannot_shard():
+    from hetero.plan.sweep import Result, points
+
+    cluster = load_cluster("h100_64")
+    found = {(p.axis, p.value): p for p in points()}
+    assert all(p.workload.sequences & (p.workload.sequences - 1) == 0 for p in found.values())  # powers of two
+    # InternViT-6B's 25 heads: no TP degree divides them, so on the LLM's grid the tower runs unsharded
+    wide = Result(found["encoder size", "5.9B"], Planner(cluster, found["encoder size", "5.9B"].workload).plans())
+    assert wide.plans["megatron"][0].choices["vision"].tp == 1
+    assert wide.gain > 1.5 and wide.region == ">= +50%"
+    small = Result(found["encoder size", "0.4B"], Planner(cluster, found["encoder size", "0.4B"].workload).plans())
+    assert small.region == "< +20%"
+
+
+def test_a_boundary_is_a_pipeline_stage_of_its_own():
+    # encoder 1 s, LLM 4 s a step, 4 microbatches: the link's 0.5 s hides but for one microbatch's share
+    assert linked_pipeline_s([1.0, 4.0], [0.5], 4) == pytest.approx((4 + 1.5 / 4, 0.5 / 4))
+    # a link slower than both sides sets the pace
+    assert linked_pipeline_s([1.0, 4.0], [8.0], 4) == pytest.approx((8 + 5 / 4, 8 + 5 / 4 - (4 + 1 / 4)))
+    assert linked_pipeline_s([1.0, 4.0, 2.0], [None, 0.4], 2)[0] == pytest.approx(4 + 3.4 / 2)

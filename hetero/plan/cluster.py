@@ -29,6 +29,12 @@ class DeviceSpec:
     peak_tflops: float = 989.0  # declared peak, MFU's denominator
     matmul_tflops: float = 700.0  # sustained GEMM rate
     matmul_overhead_us: float = 8.0  # per GEMM (launch, tails): small GEMMs run below the sustained rate
+    # GEMM efficiency by shape (0: off, every GEMM at the sustained rate): the output is computed in
+    # gemm_tile x gemm_tile tiles, one per streaming multiprocessor at a time (sms of them), so a GEMM pays
+    # for its padded tiles and one with fewer tiles than SMs leaves the rest idle.
+    sms: int = 0
+    gemm_tile: int = 128
+    attention_head_tile: int = 0  # attention kernels round head_dim up to a multiple of this (0: exact)
     attention_tflops: float = 0.0  # sustained attention rate (0: the GEMM rate)
     memory_gb_s: float = 2700.0  # sustained memory bandwidth of elementwise kernels
     elementwise_overhead_us: float = 4.0  # per elementwise kernel

@@ -7,7 +7,8 @@ one forward more. Communication is priced per collective on the slowest link its
 (``latency`` per step of a ring, ``bytes / bandwidth`` for the data): tensor-parallel all-reduces of the
 layer outputs, context-parallel all-gathers of K/V (and their reduce-scatter in backward), pipeline sends
 of the stage activations, the data-parallel gradient all-reduce (scaled by the module's gradient
-compression). A 1F1B pipeline runs ``m + pp - 1`` slots of its slowest stage. Memory per rank is the
+compression). A 1F1B pipeline runs ``m`` microbatches through its slowest stage and one through each of
+the others (``m + pp - 1`` slots when the stages balance). Memory per rank is the
 weights, gradients and optimizer state of its shard plus the activations its in-flight microbatches keep
 (every layer's saved tensors, or only the layer inputs under recomputation).
 
@@ -98,10 +99,11 @@ class Transformer:
     outer: tuple[Gemm, ...] = ()  # genezip, video: the matmuls outside the layers
     training: str = "full"  # full | inputs (frozen: input gradients only) | forward (frozen, nothing trained above)
     trained_share: float = 1.0  # full: the share of its parameters that train (the rest frozen by glob)
+    head_size: int = 0  # a head's width where the model sets it (0: hidden / heads)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     @property
     def gated(self) -> bool:
@@ -146,7 +148,7 @@ def describe(name: str, kind: str, config: GPTConfig | ViTConfig | GeneZipConfig
         active = active_ffn_size(config)
         return Transformer(
             name, "gpt", config.num_layers, config.hidden_size, config.num_heads, config.kv_heads,
-            active, seq, vocab=config.vocab_size,
+            active, seq, vocab=config.vocab_size, head_size=config.head_size,
             model_flops_per_sample=TRAINING_MULTIPLIER * seq * gpt_forward_flops_per_token(config, seq),
             idle_ffn=config.expert_size * config.num_experts - config.expert_size * config.top_k if config.moe else 0,
         )
@@ -259,7 +261,7 @@ class ModuleCost:
     memory_bytes: float  # the fullest rank's
     microbatches: int
     microbatch_s: float  # one microbatch through the slowest stage, forward and backward
-    slots: int = 1  # the pipeline's slots of ``microbatch_s``: microbatches + pp - 1
+    slots: float = 1  # the pipeline's slots of ``microbatch_s``: microbatches + the other stages' share of one
     optimizer_s: float = 0.0
 
     @property
@@ -306,14 +308,27 @@ class CostModel:
         self.device = cluster.device
 
     def gemm_s(self, m: float, k: float, n: float) -> float:
-        return self.device.matmul_overhead_us * 1e-6 + 2 * m * k * n / (self.device.matmul_tflops * 1e12)
+        return self.device.matmul_overhead_us * 1e-6 + 2 * m * k * n / (self.device.matmul_tflops * 1e12 * self.gemm_efficiency(m, n))
+
+    def gemm_efficiency(self, m: float, n: float) -> float:
+        """The share of the sustained GEMM rate an ``m x n`` output gets: its useful share of the padded
+        tiles, times the share of the SMs its tiles occupy (1 without a tile model)."""
+        sms, tile = self.device.sms, self.device.gemm_tile
+        if not sms:
+            return 1.0
+        rows, cols = math.ceil(m / tile), math.ceil(n / tile)
+        return m * n / (rows * cols * tile * tile) * min(1.0, rows * cols / sms)
 
     def elementwise_s(self, kernels: int, nbytes: float) -> float:
         return kernels * self.device.elementwise_overhead_us * 1e-6 + nbytes / (self.device.memory_gb_s * 1e9)
 
-    def attention_s(self, flops: float) -> float:
+    def attention_s(self, flops: float, head_dim: int = 0) -> float:
+        """Attention of ``flops`` whose kernel computes heads of ``head_dim`` rounded up to the device's
+        ``attention_head_tile``."""
         rate = self.device.attention_tflops or self.device.matmul_tflops
-        return self.device.matmul_overhead_us * 1e-6 + flops / (rate * 1e12)
+        tile = self.device.attention_head_tile
+        padding = math.ceil(head_dim / tile) * tile / head_dim if tile and head_dim else 1.0
+        return self.device.matmul_overhead_us * 1e-6 + flops * padding / (rate * 1e12)
 
     def layer_forward_s(self, module: Transformer, choice: Choice, stack: Stack | None = None) -> float:
         """One layer (of ``stack``, default the module's only one), one microbatch, forward, on one rank."""
@@ -328,7 +343,7 @@ class CostModel:
             shapes = [(module.hidden, q_width)] * 3 + [(q_width, module.hidden), (module.hidden, ffn), (ffn, module.hidden)]
         gemms = sum(self.gemm_s(tokens, k, n) for k, n in shapes)
         causal = 0.5 if stack.causal else 1.0
-        attention = self.attention_s(causal * 4 * tokens * stack.seq * q_width)  # queries here x every key
+        attention = self.attention_s(causal * 4 * tokens * stack.seq * q_width, d)  # queries here x every key
         # Two norms and two residual adds over the hidden width, rotary or bias work on q/k, the MLP's
         # activation (and gate product): each kernel reads its inputs and writes its output once.
         elements = tokens * (10 * module.hidden + 4 * (q_width + kv_width) + 3 * ffn)
@@ -410,17 +425,21 @@ class CostModel:
             saved.append(0.0 if not backward else stack_tokens * (module.hidden if recompute else per_token) * act / tp)
             whole.append(stack_tokens * per_token * act / tp)
         if pp > 1:
-            stage_s = max(first_layers * per_layer[0] + first + extra_first_stage_s,
-                          later_layers * per_layer[0] + last + extra_last_stage_s)
+            middle = later_layers * per_layer[0]
+            stages = [first_layers * per_layer[0] + first + extra_first_stage_s, *[middle] * (pp - 2),
+                      middle + last + extra_last_stage_s]
             stage_layers = [layers_per_stage]
         else:
-            stage_s = (sum(s.layers * t for s, t in zip(module.stack_list, per_layer)) + first + last
-                       + extra_first_stage_s + extra_last_stage_s)
+            stages = [sum(s.layers * t for s, t in zip(module.stack_list, per_layer)) + first + last
+                      + extra_first_stage_s + extra_last_stage_s]
             stage_layers = [s.layers for s in module.stack_list]
         pp_link = self.cluster.link(tp * cp * dp * 2)
         hop_bytes = tokens * module.hidden / tp * (hop_element_bytes or 2 * act)
         pp_hop = 2 * pp_link.latency_us * 1e-6 + hop_bytes / (pp_link.bandwidth_gb_s * 1e9) if pp > 1 else 0.0
-        slots = microbatches + pp - 1
+        # 1F1B: every microbatch through the slowest stage, plus one microbatch through each of the others
+        # (their share of the warm-up and cool-down); pp - 1 slots of the slowest when the stages balance.
+        stage_s = max(stages)
+        slots = microbatches + (sum(stages) - stage_s) / stage_s
         compute = slots * stage_s
 
         stage_params = (layers_per_stage * module.layer_params + module.outer_params / min(pp, 2)) / tp

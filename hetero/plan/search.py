@@ -286,9 +286,10 @@ class Planner:
         llm_ranks = world - before - after
         sides = ([sum(c.step_s for _, c in front.values())] if encoders else []) + [cost.step_s]
         sides += [sum(c.step_s for _, c in back.values())] if consumers else []
-        boundary = self._boundary_s(before, llm_ranks, encoders) if encoders else 0.0
-        boundary += self._boundary_s(llm_ranks, after, consumers) if consumers else 0.0
-        step = graph_pipeline_s(sides, cost.microbatches) + boundary
+        m = cost.microbatches
+        links = [self._boundary_s(before, llm_ranks, encoders, 2 * m) if encoders else None,
+                 self._boundary_s(llm_ranks, after, consumers, 2 * m) if consumers else None]
+        step, boundary = linked_pipeline_s(sides, links if encoders else [links[1]], m)
         picks = front | back
         ranks = dict.fromkeys(encoders, before) | {llm.name: llm_ranks} | dict.fromkeys(consumers, after)
         memory = max(sum(c.memory_gib for _, c in front.values()), cost.memory_gib,
@@ -297,12 +298,13 @@ class Planner:
                     {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, step, memory, boundary,
                     self.workload.model_flops, world)
 
-    def _boundary_s(self, senders: int, receivers: int, names: list[str] | None = None) -> float:
+    def _boundary_s(self, senders: int, receivers: int, names: list[str] | None = None, messages: int = 1) -> float:
         """The traffic between the LLM and ``names`` (default: the encoders), spread over the pairs of
-        ranks that carry it."""
+        ranks that carry it, in ``messages`` messages per pair (each paying the link's latency)."""
         link = self.cluster.link(senders + receivers)
         pairs = min(senders, receivers)
-        return send_s(self.workload.boundary_bytes(self.cluster.device.activation_bytes, names) / pairs, link)
+        nbytes = self.workload.boundary_bytes(self.cluster.device.activation_bytes, names) / pairs
+        return (messages - 1) * link.latency_us * 1e-6 + send_s(nbytes, link)
 
     def plans(self, world: int | None = None) -> dict[str, list[Plan]]:
         """Every placement mode's plans that fit, fastest first."""
@@ -324,6 +326,20 @@ def graph_pipeline_s(sides: list[float], microbatches: int, ahead: bool = False)
     if ahead and sides[0] < slowest:
         fill -= sides[0]
     return slowest + fill / microbatches
+
+
+def linked_pipeline_s(sides: list[float], links: list[float | None], microbatches: int,
+                      ahead: bool = False) -> tuple[float, float]:
+    """A graph pipeline of disjoint ``sides`` whose neighbours are joined by ``links`` (``links[i]`` between
+    side i and i + 1, None where they are not joined; each the step's whole transfer, microbatch by
+    microbatch): each link is a stage of its own, hidden behind compute but for its share of one
+    microbatch, unless it is the slowest. The step and the links' exposed part."""
+    chain = [sides[0]]
+    for link, side in zip(links, sides[1:]):
+        chain += ([link] if link is not None else []) + [side]
+    bare = graph_pipeline_s(sides, microbatches, ahead)
+    step = graph_pipeline_s(chain, microbatches, ahead)
+    return step, step - bare
 
 
 def phased_colocated_s(llm: ModuleCost, encoders: list[ModuleCost]) -> float:
@@ -359,6 +375,8 @@ def predict_configured(experiment: ExperimentConfig, placement: Placement, clust
     relations = {placement.relation(name, llm) for name in others}
     ranks = {n: layout.size for n, layout in placement.layouts.items()}
     world = placement.world_size
+    if relations == {"overlapping"} and not consumers and all(_in_first_stage(placement, n, llm) for n in encoders):
+        return _folded_plan(experiment, placement, workload, planner, choices, costs, ranks, world)
     front = {placement.layouts[n].ranks for n in encoders}
     back = {placement.layouts[n].ranks for n in consumers}
     if relations <= {"colocated"}:
@@ -369,26 +387,55 @@ def predict_configured(experiment: ExperimentConfig, placement: Placement, clust
         mode = "colocated_1f1b" if one_1f1b else "colocated"
     elif relations == {"disjoint"} and len(front) <= 1 and len(back) <= 1 and (
             front == back or not front or not back or not set(*front) & set(*back)):
-        boundary = planner._boundary_s(ranks[encoders[0]], ranks[llm], encoders) if encoders else 0.0
-        boundary += planner._boundary_s(ranks[llm], ranks[consumers[0]], consumers) if consumers else 0.0
+        m = costs[llm].microbatches
+        front_link = planner._boundary_s(ranks[encoders[0]], ranks[llm], encoders, 2 * m) if encoders else None
+        back_link = planner._boundary_s(ranks[llm], ranks[consumers[0]], consumers, 2 * m) if consumers else None
         before, after = sum(costs[n].step_s for n in encoders), sum(costs[n].step_s for n in consumers)
         if front == back:  # encoders and consumers take turns on one set of ranks
-            side_s = [before + after, costs[llm].step_s]
+            side_s, links = [before + after, costs[llm].step_s], [(front_link or 0.0) + (back_link or 0.0)]
         else:
             side_s = [before] * bool(encoders) + [costs[llm].step_s] + [after] * bool(consumers)
+            links = [front_link, back_link] if encoders else [back_link]
         if resolve_schedule(experiment, placement) == "phased":  # each side waits out the others' whole steps
+            boundary = sum(link or 0.0 for link in links)
             step = sum(side_s) + boundary
         else:
             modes = training_modes(experiment)
             ahead = front != back and bool(encoders) and all(
                 experiment.modules[n].parallel.forward_ahead and modes[n] == "forward" for n in encoders)
-            step = graph_pipeline_s(side_s, costs[llm].microbatches, ahead) + boundary
+            step, boundary = linked_pipeline_s(side_s, links, m, ahead)
         mode = "non_colocated"
     else:
         raise ConfigError(
-            "hetero plan predicts colocated placements, and encoders (and consumers) that each share one set of "
-            "ranks disjoint from the LLM's; "
+            "hetero plan predicts colocated placements, encoders (and consumers) that each share one set of "
+            "ranks disjoint from the LLM's, and encoders on the LLM's first stage at its tp and dp (Megatron's); "
             f"this experiment's modules relate to the LLM as {sorted(relations)}"
         )
     memory = max(sum(costs[n].memory_bytes for n in placement.modules_on(r)) for r in range(world))
     return Plan(mode, ranks, choices, costs, step, memory / GIB, boundary, workload.model_flops, world)
+
+
+def _in_first_stage(placement: Placement, name: str, llm: str) -> bool:
+    """Whether ``name`` runs on exactly the ranks of the LLM's first pipeline stage, at its tp and dp."""
+    layout, grid = placement.layouts[name], placement.layouts[llm]
+    first = {rank for rank, coord in grid.coords() if coord.pp == 0}
+    return set(layout.ranks) == first and (layout.tp, layout.dp, layout.cp, layout.pp) == (grid.tp, grid.dp, 1, 1)
+
+
+def _folded_plan(experiment: ExperimentConfig, placement: Placement, workload: Workload, planner: Planner,
+                 choices: dict[str, Choice], costs: dict[str, ModuleCost], ranks: dict[str, int], world: int) -> Plan:
+    """Encoders on the LLM's first stage, under ``graph_1f1b`` as the planner's ``megatron`` mode prices
+    them: each encoder's forward and backward per LLM microbatch added to that stage's slot, their syncs
+    after the step."""
+    llm = workload.llm.name
+    if resolve_schedule(experiment, placement) == "phased":  # the encoders' whole steps, then the LLM's
+        step = costs[llm].step_s + sum(costs[n].step_s for n in workload.encoders)
+        memory = costs[llm].memory_bytes + sum(costs[n].memory_bytes for n in workload.encoders)
+        return Plan("megatron", ranks, choices, costs, step, memory / GIB, 0.0, workload.model_flops, world)
+    extra = sum(costs[n].compute_s / max(costs[llm].microbatches, 1) for n in workload.encoders)
+    costs[llm] = planner.model.module_cost(workload.llm, choices[llm], workload.sequences, workload.grad_ratio[llm],
+                                           extra_first_stage_s=extra, hop_element_bytes=workload.stage_element_bytes)
+    step = costs[llm].step_s + sum(costs[n].dp_s + costs[n].optimizer_s for n in workload.encoders)
+    memory = costs[llm].memory_bytes + sum(costs[n].memory_bytes for n in workload.encoders)
+    return Plan("megatron", ranks, choices, costs, step, memory / GIB, 0.0, workload.model_flops, world,
+                tuple(workload.encoders))

@@ -124,7 +124,8 @@ class Executor:
                          host, local, self.arrivals.pop((name, m), []) if mesh.is_first_stage else [], received,
                          self.training, self.step, self.runtime.seed, self.counts.get(name, 1),
                          len(self.rows.all(name)))
-        autocast = torch.autocast(module.device.type, dtype=torch.bfloat16, enabled=node.options.precision == "bf16")
+        autocast = (torch.autocast(module.device.type, dtype=torch.bfloat16) if node.options.precision == "bf16"
+                    else contextlib.nullcontext())
         with self._traced(name, "compute"), self.runtime.timer.timed(name), node.kind.compute(mesh), \
                 torch.set_grad_enabled(backward), autocast:
             result = node.kind.stage(module.model, step)

@@ -55,11 +55,10 @@ def item_split(costs: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return balanced_split(costs, parts)
 
 
-def presence(batch: dict[str, torch.Tensor], modality: str | None) -> torch.Tensor:
-    """(B,) bool: the rows carrying ``modality`` (every row without a modality or without the flag)."""
-    size = batch_size(batch)
+def presence(batch: dict[str, torch.Tensor], modality: str | None) -> torch.Tensor | None:
+    """(B,) bool: the rows carrying ``modality``; None where every row does (no modality, or no flag)."""
     flag = batch.get(f"has_{modality}") if modality is not None else None
-    return torch.ones(size, dtype=torch.bool, device="cpu") if flag is None else flag.bool().cpu()
+    return None if flag is None else flag.bool().cpu()
 
 
 class StepRows:
@@ -75,7 +74,8 @@ class StepRows:
         self.present = {name: presence(batch, node.kind.modality) for name, node in graph.nodes.items()
                         if name not in self.items}
         self._rows = {
-            name: [span.start + torch.nonzero(flags[span]).flatten() for span in self.spans]
+            name: [torch.arange(span.start, span.stop, device="cpu") if flags is None
+                   else span.start + torch.nonzero(flags[span]).flatten() for span in self.spans]
             for name, flags in self.present.items()
         }
         if self.items:
@@ -92,7 +92,8 @@ class StepRows:
         """Every global row (or item) module ``name`` processes in the batch."""
         if name in self.items:
             return torch.cat(self._rows[name])
-        return torch.nonzero(self.present[name]).flatten()
+        flags = self.present[name]
+        return torch.arange(self.size, device="cpu") if flags is None else torch.nonzero(flags).flatten()
 
     def module(self, name: str, m: int) -> torch.Tensor:
         """The global rows (or items) module ``name`` processes in microbatch ``m``."""

@@ -53,7 +53,7 @@ class Runtime:
         """``outer_comms``: per module, where DiLoCo's outer rounds run instead of its dp group."""
         self.graph, self.seed, self.grad_clip, self.sample_reuse = graph, seed, grad_clip, sample_reuse
         self.microbatches = microbatches
-        self.rank = dist.get_rank()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(device) if device is not None else _default_device()
         outer_comms = outer_comms or {}
         self.modules = {name: ModuleState(graph.nodes[name], meshes[name], seed, self.device, outer_comms.get(name))
@@ -174,7 +174,7 @@ class Runtime:
                 losses, counts, metric_sums, lows = parts
                 keys = self._metric_keys(batch)
             else:
-                losses, counts = losses + parts[0], counts + parts[1]
+                losses, counts = losses + parts[0], [a + b for a, b in zip(counts, parts[1])]
                 metric_sums, lows = metric_sums + parts[2], torch.minimum(lows, parts[3])
         if losses is None:
             raise ValueError("evaluate() got no batches")
@@ -235,32 +235,32 @@ class Runtime:
     def _loss_sums(self, executor: Executor) -> torch.Tensor:
         """This rank's share of every module's loss and loss parts (sums over rows): the loss from the
         reporting ranks, parts from TP rank 0 of every stage that holds some."""
-        keys = self._loss_keys()
-        sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
-        for i, (name, part) in enumerate(keys):
-            if name not in self.modules or self.modules[name].mesh.coord.tp != 0:
-                continue
-            for result in executor.results[name]:
-                if part == "loss" and self._reporting(name):
-                    sums[i] += _local(result.loss).double()
-                elif part != "loss" and part in result.parts:
-                    sums[i] += _local(result.parts[part]).double()
-        return sums
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums = []
+        for name, part in self._loss_keys():
+            terms = []
+            if name in self.modules and self.modules[name].mesh.coord.tp == 0:
+                for result in executor.results[name]:
+                    if part == "loss" and self._reporting(name):
+                        terms.append(_local(result.loss).double())
+                    elif part != "loss" and part in result.parts:
+                        terms.append(_local(result.parts[part]).double())
+            sums.append(sum(terms, zero))
+        return torch.stack(sums) if sums else zero.reshape(0)
 
-    def _loss_counts(self, executor: Executor) -> torch.Tensor:
-        return torch.tensor([float(executor.counts[name]) for name, _ in self._loss_keys()], dtype=torch.float64,
-                            device="cpu")
+    def _loss_counts(self, executor: Executor) -> list[float]:
+        return [float(executor.counts[name]) for name, _ in self._loss_keys()]
 
-    def _reduced_losses(self, sums: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
+    def _reduced_losses(self, sums: torch.Tensor, counts: list[float]) -> dict[str, float]:
         """Every module's loss and parts over the global batch(es), and the loss-weighted sum, on every rank."""
-        dist.all_reduce(sums)
-        return self._losses_from(sums, counts)[0]
+        self._reduce(sums)
+        return self._losses_from(sums.tolist(), counts)[0]
 
-    def _losses_from(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[dict[str, float], dict[str, dict]]:
+    def _losses_from(self, sums: list[float], counts: list[float]) -> tuple[dict[str, float], dict[str, dict]]:
         """The losses and parts (``<module>.<part>``, and the loss-weighted sum ``loss``), and each module's
         step statistics ({module: {name: value}}), all per row of the global batch."""
         out, statistics = {}, {}
-        for (name, part), value, count in zip(self._loss_keys(), sums.tolist(), counts.tolist()):
+        for (name, part), value, count in zip(self._loss_keys(), sums, counts):
             node = self.graph.nodes[name]
             if part in node.kind.step_statistics(node.config):
                 statistics.setdefault(name, {})[part] = value / count
@@ -291,47 +291,61 @@ class Runtime:
         return sums, lows
 
     def _reduced_metrics(self, keys, sums: torch.Tensor, lows: torch.Tensor) -> dict[str, float]:
-        dist.all_reduce(sums)
-        dist.all_reduce(lows, op=dist.ReduceOp.MIN)
+        self._reduce(sums)
+        self._reduce(lows, dist.ReduceOp.MIN)
         return {f"{name}.{metric}": float(lows[i]) if reduce == "min" else float(sums[i, 0] / sums[i, 1].clamp(min=1))
                 for i, (name, metric, reduce) in enumerate(keys)}
+
+    def _reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """An all-reduce over the world; a world of one has nothing to reduce."""
+        if self.world > 1:
+            dist.all_reduce(tensor, op=op)
 
     def _losses_and_nonfinite(self, executor: Executor, squares: dict):
         """The step's losses and step statistics (``_losses_from``) and the modules with a NaN or infinite loss or gradient
         on some rank, with those ranks (the same on every rank), in one all-reduce. Checked before the
         gradient sync, which would spread the values."""
-        names, world = list(self.graph.nodes), dist.get_world_size()
-        flags = torch.zeros(len(names), world, dtype=torch.float64, device=self.device)
-        for i, name in enumerate(names):
-            held = [sum(squares[name])] if name in squares else []
-            held += [_local(r.loss).double().sum() for r in executor.results.get(name, ()) if r.loss is not None]
-            if held:  # a sum is non-finite when any of its terms is: the check stays on the device
-                flags[i, self.rank] = (~torch.isfinite(torch.stack(held).sum())).double()
+        names, world = list(self.graph.nodes), self.world
+        # Per module, the sum of this rank's gradient squares and losses: non-finite exactly when one of the
+        # terms is. Each rank fills its own column; the check stays on the device until the one read below.
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        mine = torch.stack([sum((*squares.get(name, ()), *(_local(r.loss).double().sum() for r in
+                                 executor.results.get(name, ()) if r.loss is not None)), zero) for name in names])
         sums = self._loss_sums(executor)
-        both = torch.cat([sums, flags.flatten()])
-        dist.all_reduce(both)
-        flags = both[len(sums):].view(len(names), world)
-        nonfinite = {name: [int(r) for r in torch.nonzero(flags[i]).flatten()]
-                     for i, name in enumerate(names) if flags[i].any()}
-        return *self._losses_from(both[: len(sums)], self._loss_counts(executor)), nonfinite
+        if world > 1:
+            held = torch.zeros(len(names), world, dtype=torch.float64, device=self.device)
+            held[:, self.rank] = mine
+            both = torch.cat([sums, held.flatten()])
+            dist.all_reduce(both)
+        else:
+            both = torch.cat([sums, mine])
+        values = both.tolist()
+        losses, held = values[: len(sums)], values[len(sums):]
+        ranks = {name: [r for r in range(world) if not math.isfinite(held[i * world + r])] for i, name in enumerate(names)}
+        return *self._losses_from(losses, self._loss_counts(executor)), {name: r for name, r in ranks.items() if r}
 
     def _clip(self, local: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> float:
         """The global gradient norm over every module (from each module's ``local`` squares), agreed by
         every rank; clipped when it exceeds ``grad_clip`` (> 0). Infinite when any gradient is not finite."""
-        names = list(self.graph.nodes)
-        squares = torch.zeros(len(names), dtype=torch.float64, device=self.device)
-        for i, name in enumerate(names):
-            if name in self.modules and self.graph.nodes[name].trains:  # a frozen module has no gradient
-                squares[i] = self.modules[name].squared_grad_norm(local[name])
-        # Every rank of a module holds the same value and the others hold 0: MAX agrees world-wide. (Under
-        # DiLoCo a module's replicas hold different local gradients; MAX then takes the largest norm.)
-        nonfinite = (~torch.isfinite(squares)).to(torch.float64)
-        both = torch.cat([torch.nan_to_num(squares, nan=0.0, posinf=0.0), nonfinite])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        squares, nonfinite = both[: len(names)], both[len(names):]
-        if nonfinite.any():
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        squares = torch.stack([self.modules[name].squared_grad_norm(local[name])
+                               if name in self.modules and node.trains else zero  # a frozen module has no gradient
+                               for name, node in self.graph.nodes.items()])
+        if self.world > 1:
+            # Every rank of a module holds the same value and the others hold 0: MAX agrees world-wide. (Under
+            # DiLoCo a module's replicas hold different local gradients; MAX then takes the largest norm.) A
+            # NaN does not survive a MAX, so non-finite values travel as flags.
+            flags = (~torch.isfinite(squares)).to(torch.float64)
+            both = torch.cat([torch.nan_to_num(squares, nan=0.0, posinf=0.0), flags])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            values = both.tolist()
+            values, finite = values[: len(squares)], not any(values[len(squares):])
+        else:
+            values = squares.tolist()
+            finite = all(map(math.isfinite, values))
+        if not finite:
             return math.inf
-        norm = math.sqrt(float(squares.sum()))
+        norm = math.sqrt(sum(values))
         if self.grad_clip > 0 and norm > self.grad_clip:
             for module in self.modules.values():
                 module.scale_grads(self.grad_clip / (norm + 1e-6))

@@ -171,13 +171,13 @@ class GPTKind(Kind):
         report = step.loss_count * aux_scale if aux_scale is not None else 0.0
         if not mesh.is_last_stage:
             activation = model(x, positions, inserts=inserts, documents=documents, aux_scale=aux_scale)
-            return StageResult(activation=activation, parts=_aux_parts(model, report, mesh))
+            return StageResult(activation=activation, parts=_aux_parts(model, report, step))
         logits, hidden = model(x, positions, return_hidden=True, inserts=inserts, documents=documents,
                                aux_scale=aux_scale)
         if isinstance(hidden, DTensor):  # sequence parallelism: this rank's part of the sequence
             hidden = hidden.to_local()
         result = StageResult(outputs={"hidden": hidden}, loss=token_loss_sum(logits, labels),
-                             parts=_aux_parts(model, report, mesh))
+                             parts=_aux_parts(model, report, step))
         if not step.training:
             for key in self.evaluation_keys(data):
                 result.metrics[key.removesuffix("_position") + "_accuracy"] = _position_accuracy(
@@ -186,9 +186,12 @@ class GPTKind(Kind):
         return result
 
 
-def _aux_parts(model: GPT, scale: float, mesh: ModuleMesh) -> dict[str, torch.Tensor]:
+def _aux_parts(model: GPT, scale: float, step: StageStep) -> dict[str, torch.Tensor]:
     """The experts' auxiliary losses of the forward just run, summed over this stage's layers and (each TP
-    rank routes its part of the tokens) over its TP group, times ``scale``."""
+    rank routes its part of the tokens) over its TP group, times ``scale``; none without experts."""
+    if not step.config.moe:
+        return {}
+    mesh = step.mesh
     layers = [module for module in model.modules() if isinstance(module, MoEFeedForward)]
     if not layers:
         return {}

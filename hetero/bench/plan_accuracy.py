@@ -6,8 +6,9 @@ The cost model is calibrated on 2 ranks (``hetero.plan.calibrate``); then each 2
 one vision-language model is predicted as configured (``hetero.plan.search.predict_configured``) and
 measured with the throughput benchmark's ranks (``hetero.bench.throughput.measure``). Rounds alternate
 the configurations so that machine noise falls on all of them; a configuration's measured step time is
-the median over every timed step of every round. The table gives predicted and measured step times and
-each configuration's step time relative to the first, predicted against measured.
+the median over rounds of its median step in a round, and its measured ratio to the first configuration
+the median over rounds of that ratio within a round. The table gives predicted and measured step times
+and each configuration's step time relative to the first, predicted against measured.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ CONFIGS = {
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration and round (after 2 warmup)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds over all configurations")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over all configurations")
     args = parser.parse_args(argv)
     experiments = {name: load_experiment("colocated_vlm", MODEL + overrides) for name, overrides in CONFIGS.items()}
     placements = {name: build_graph(e).placement for name, e in experiments.items()}
@@ -80,18 +81,22 @@ def main(argv: list[str] | None = None) -> None:
           f"+ {cluster.intra_node.latency_us:.0f} us per step, tensor parallelism "
           f"+{cluster.device.tp_layer_overhead_us / 1e3:.1f} ms per layer", flush=True)
     predicted = {name: predict_configured(e, placements[name], cluster).step_s for name, e in experiments.items()}
-    times: dict[str, list[float]] = {name: [] for name in experiments}
+    rounds: list[dict[str, float]] = []  # per round, each configuration's median step
     for _ in range(args.rounds):
+        rounds.append({})
         for name, experiment in experiments.items():
             experiment = absolute_paths(experiment)
             ensure_shards(experiment)
             per_rank = run_ranks(measure, 2, experiment, args.steps, 2, timeout_s=900)
-            times[name] += [max(step) for step in zip(*(r["times"] for r in per_rank))]
-    measured = {name: statistics.median(t) for name, t in times.items()}
+            rounds[-1][name] = statistics.median(max(step) for step in zip(*(r["times"] for r in per_rank)))
     first = next(iter(experiments))
+    measured = {name: statistics.median(r[name] for r in rounds) for name in experiments}
+    # A slow spell of the machine falls on the configurations measured during it: each ratio is taken
+    # within a round, against that round's first configuration, then the median over rounds.
+    ratios = {name: statistics.median(r[name] / r[first] for r in rounds) for name in experiments}
     print(f"{'configuration':<58} {'predicted ms':>12} {'measured ms':>12} {'pred. ratio':>11} {'meas. ratio':>11} {'error':>7}")
     for name in experiments:
-        p_ratio, m_ratio = predicted[name] / predicted[first], measured[name] / measured[first]
+        p_ratio, m_ratio = predicted[name] / predicted[first], ratios[name]
         print(f"{name:<58} {predicted[name] * 1e3:12.1f} {measured[name] * 1e3:12.1f} {p_ratio:11.3f} {m_ratio:11.3f} "
               f"{p_ratio / m_ratio - 1:+7.1%}")
 

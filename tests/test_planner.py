@@ -293,8 +293,8 @@ def test_full_graph_plans_with_a_consumer_and_the_split_search_finds_the_best_sp
     assert best.step_s == pytest.approx(graph_pipeline_s(sides, best.costs["llm"].microbatches) + best.boundary_s)
     exhaustive = min(
         (plan.step_s for e in range(1, world - 1) for c in range(1, world - e)
-         for choice, cost in planner._llm_options(world - e - c, 8)
-         if (plan := planner._three_sides(world, e, c, choice, cost)) is not None),
+         for choice, cost in planner.llm_options(world - e - c, 8)
+         if (plan := planner.three_sides(world, e, c, choice, cost)) is not None),
     )
     assert best.step_s == exhaustive
     for plan in plans["homogeneous"][:3]:  # the video runs inside the LLM's last stage, on its grid

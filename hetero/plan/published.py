@@ -99,9 +99,9 @@ def compare(cluster: ClusterSpec, seq_len: int, global_batch: int, scaled: bool 
     tuned = _same_layout(sixteen.homogeneous(BASELINE_GPUS))
     alone = sixteen.model.module_cost(workload.llm, megatron.choices["llm"], global_batch)
     seventeen = Planner(dataclasses.replace(cluster, nodes=3, gpus=HETERO_GPUS), workload)
-    options = [(c, cost) for c, cost in seventeen._llm_options(BASELINE_GPUS)
+    options = [(c, cost) for c, cost in seventeen.llm_options(BASELINE_GPUS)
                if (c.tp, c.cp, c.pp, c.dp) == (LLM_LAYOUT.tp, 1, LLM_LAYOUT.pp, LLM_LAYOUT.dp)]
-    plans = [p for choice, cost in options if (p := seventeen._three_sides(HETERO_GPUS, 1, 0, choice, cost)) is not None]
+    plans = [p for choice, cost in options if (p := seventeen.three_sides(HETERO_GPUS, 1, 0, choice, cost)) is not None]
     hetero = min(plans, key=lambda p: p.step_s)
     return Comparison(seq_len, global_batch, alone, megatron, tuned, hetero)
 

@@ -152,7 +152,7 @@ class Planner:
             memory += best[1].memory_bytes
         return picks
 
-    def _llm_options(self, ranks: int, keep: int | None = None) -> list[tuple[Choice, ModuleCost]]:
+    def llm_options(self, ranks: int, keep: int | None = None) -> list[tuple[Choice, ModuleCost]]:
         if (ranks, keep) not in self._llm_cache:
             self._llm_cache[ranks, keep] = self._fastest_llm_layouts(ranks, keep)
         return self._llm_cache[ranks, keep]
@@ -215,7 +215,7 @@ class Planner:
         usable = self.model.device.usable_memory * self.model.device.memory_gib * GIB
         others = list(self.workload.others)
         boundary = self._boundary_s(world, world, others) if others else 0.0
-        for choice, cost in self._llm_options(world):
+        for choice, cost in self.llm_options(world):
             # Phased, every microbatch is encoded before the LLM runs: all stay alive until its backward;
             # under one 1F1B an encoder holds a pipeline's depth of microbatches (consumers priced alike).
             for mode, held in (("colocated", cost.microbatches), ("colocated_1f1b", min(choice.pp + 1, cost.microbatches))):
@@ -251,8 +251,8 @@ class Planner:
             return []
         plans = []
         for before, after in splits:
-            for choice, cost in self._llm_options(world - before - after, keep):
-                plan = self._three_sides(world, before, after, choice, cost)
+            for choice, cost in self.llm_options(world - before - after, keep):
+                plan = self.three_sides(world, before, after, choice, cost)
                 if plan is not None:
                     plans.append(plan)
         return sorted(plans, key=lambda plan: plan.step_s)
@@ -274,7 +274,7 @@ class Planner:
         tps = _powers(self.cluster.gpus_per_node)
         return sorted({tp * dp for tp in tps for dp in replicas if tp * dp <= limit})
 
-    def _three_sides(self, world: int, before: int, after: int, choice: Choice, cost: ModuleCost) -> Plan | None:
+    def three_sides(self, world: int, before: int, after: int, choice: Choice, cost: ModuleCost) -> Plan | None:
         """Encoders on ``before`` ranks, the LLM (``choice``) on the middle, consumers on ``after``."""
         encoders, consumers, llm = list(self.workload.encoders), list(self.workload.consumers), self.workload.llm
         # A graph pipeline: the encoders are stage 0 of 1 + pp stages (+ 1 for consumers) under 1F1B; the

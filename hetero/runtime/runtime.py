@@ -311,14 +311,11 @@ class Runtime:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         mine = torch.stack([sum((*squares.get(name, ()), *(_local(r.loss).double().sum() for r in
                                  executor.results.get(name, ()) if r.loss is not None)), zero) for name in names])
+        held = torch.zeros(len(names), world, dtype=torch.float64, device=self.device)
+        held[:, self.rank] = mine
         sums = self._loss_sums(executor)
-        if world > 1:
-            held = torch.zeros(len(names), world, dtype=torch.float64, device=self.device)
-            held[:, self.rank] = mine
-            both = torch.cat([sums, held.flatten()])
-            dist.all_reduce(both)
-        else:
-            both = torch.cat([sums, mine])
+        both = torch.cat([sums, held.flatten()])
+        self._reduce(both)
         values = both.tolist()
         losses, held = values[: len(sums)], values[len(sums):]
         ranks = {name: [r for r in range(world) if not math.isfinite(held[i * world + r])] for i, name in enumerate(names)}

@@ -165,6 +165,7 @@ def test_calibrate_writes_a_loadable_cluster(tmp_path, capsys):
     for value in (cluster.device.matmul_tflops, cluster.device.memory_gb_s, cluster.intra_node.bandwidth_gb_s):
         assert 0 < value < 1e4
     assert cluster.device.tp_layer_overhead_us >= 0
+    assert 0 < cluster.host.decode_ms_per_megapixel < 1e4 and cluster.host.loader_workers == 1
     assert yaml.safe_load(out.read_text())["name"] == "here"
     assert "colocated_vlm as configured on here" in capsys.readouterr().out
     assert cluster.device.memory_gib * 2 * GIB <= 2 * 1024**4
@@ -446,3 +447,48 @@ def test_a_boundary_is_a_pipeline_stage_of_its_own():
     # a link slower than both sides sets the pace
     assert linked_pipeline_s([1.0, 4.0], [8.0], 4) == pytest.approx((8 + 5 / 4, 8 + 5 / 4 - (4 + 1 / 4)))
     assert linked_pipeline_s([1.0, 4.0, 2.0], [None, 0.4], 2)[0] == pytest.approx(4 + 3.4 / 2)
+
+
+def test_image_decoding_beside_the_step_bounds_the_ranks_that_decode():
+    from hetero.plan.published import LLM_LAYOUT, bridge_workload
+
+    cluster = load_cluster("h100_64")
+    assert (cluster.host.decode_ms_per_megapixel, cluster.host.loader_workers) == (12, 8)
+    slow = replace(cluster, nodes=3, gpus=17, host=replace(cluster.host, decode_ms_per_megapixel=1000.0))
+    free = replace(slow, host=replace(slow.host, decode_ms_per_megapixel=0.0))
+    workload = bridge_workload(2048, 32)  # 32 images of 992 x 992 px a step
+    megapixels = 992 * 992 / 1e6
+    plans = {}
+    for name, spec in (("slow", slow), ("free", free)):
+        planner = Planner(spec, workload)
+        choice, cost = next((c, m) for c, m in planner.llm_options(16)
+                            if (c.tp, c.pp, c.dp) == (LLM_LAYOUT.tp, LLM_LAYOUT.pp, LLM_LAYOUT.dp))
+        plans[name] = planner.three_sides(17, 1, 0, choice, cost)
+    # the encoder's one rank decodes all 32 images in its 8 workers: 3.97 s, longer than either side's step
+    assert plans["slow"].host_s == pytest.approx(32 * megapixels * 1.0 / 8)
+    assert plans["free"].host_s == 0 and plans["free"].step_s < plans["slow"].host_s
+    assert plans["slow"].step_s >= plans["slow"].host_s
+    # on the LLM's grid (dp2) stage 0's ranks decode their replica's 16 images
+    megatron = Planner(replace(slow, nodes=2, gpus=16), workload).homogeneous(16, even=True)
+    at_dp2 = [p for p in megatron if p.choices["llm"].dp == 2][0]
+    assert at_dp2.host_s == pytest.approx(16 * megapixels / 8) and at_dp2.step_s >= at_dp2.host_s
+    with pytest.raises(ConfigError, match=r"host.loader_workers=0 must be at least 1"):
+        cluster_from_dict({"host": {"loader_workers": 0}})
+    with pytest.raises(ConfigError, match=r"host: unknown field\(s\) workers"):
+        cluster_from_dict({"host": {"workers": 2}})
+
+
+def test_native_resolution_prices_memory_at_the_largest_image_and_time_at_the_typical_one():
+    from hetero.plan.published import qwen3_vl_encoder
+
+    model = CostModel(load_cluster("h100_64"))
+    typical = describe("vision", "vit", qwen3_vl_encoder(5120))  # 62 x 62 patches
+    native = describe("vision", "vit", qwen3_vl_encoder(5120, max_patches=4 * 3844))
+    assert (native.seq, native.peak_seq) == (3844, 4 * 3844) and typical.peak_seq == 0
+    for recompute in (False, True):
+        choice = Choice(1, 1, 1, 1, 2, recompute)
+        small, large = model.module_cost(typical, choice, 8), model.module_cost(native, choice, 8)
+        assert large.step_s == small.step_s
+        saved = 1152 if recompute else 7 * 1152 + 2 * 4304  # per token of a layer, bf16
+        held = 27 * saved if not recompute else 27 * saved + 7 * 1152 + 2 * 4304  # + one layer recomputed
+        assert large.memory_bytes - small.memory_bytes == pytest.approx(2 * 3 * 3844 * held * 2)

@@ -10,6 +10,8 @@ as they do in training), each op forward and backward under autograd, as trainin
 - a tiny GPT block, tensor-parallel over the world (hetero's DTensor plan) and whole
                                   -> tp_layer_overhead_us: what tensor parallelism adds to a layer
                                      beyond its all-reduces (DTensor's dispatch, redistributions)
+- a 1024 x 768 JPEG decoded and preprocessed at native resolution (hetero's ImagePipeline)
+                                  -> host.decode_ms_per_megapixel (one data worker per rank)
 
 Forward-plus-backward times are divided by 3, the cost model's training multiplier, so the fitted
 constants are forward-equivalents. Rank 0's fit is the result.
@@ -17,21 +19,25 @@ constants are forward-equivalents. Rank 0's fit is the result.
 
 from __future__ import annotations
 
+import io
 import os
 import statistics
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
+from PIL import Image
 
 from hetero.models.gpt.model import Block, rope_tables
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.plan import block_plan
-from hetero.plan.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from hetero.data.images import ImagePipeline
+from hetero.plan.cluster import ClusterSpec, DeviceSpec, HostSpec, LinkSpec
 from hetero.plan.cost import allreduce_s
 from hetero.testing.multiprocess import run_ranks
 
@@ -41,6 +47,18 @@ ELEMENTWISE = [2**p for p in range(10, 21, 2)]  # elements
 ALLREDUCE = [2**p for p in range(10, 23, 2)]  # bytes
 TINY_BLOCK = GPTConfig(hidden_size=64, num_heads=4, seq_len=16)  # compute is negligible next to overheads
 TINY_BATCH = 2
+PHOTO = (768, 1024)  # height, width of the decoded image
+
+
+def photo_jpeg(seed: int = 0) -> bytes:
+    """A photo-like JPEG (smooth colour gradients and grain, quality 90) of PHOTO's size."""
+    height, width = PHOTO
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 // width, y * 255 // height, (x + y) * 255 // (width + height)], -1)
+    grain = np.random.default_rng(seed).integers(-20, 20, (height, width, 3))
+    out = io.BytesIO()
+    Image.fromarray((rgb + grain).clip(0, 255).astype(np.uint8)).save(out, "JPEG", quality=90)
+    return out.getvalue()
 
 
 def _median_s(fn: Callable[[], None], repeats: int) -> float:
@@ -100,8 +118,11 @@ def measure(rank: int, world_size: int, repeats: int) -> dict[str, list[tuple[fl
         dist.barrier()
         blocks.append(3 * _training_s(lambda: (rand(batch, config.seq_len, config.hidden_size),),
                                       lambda x: block(x, cos, sin), repeats))
+    data, pipeline = photo_jpeg(rank), ImagePipeline.for_vision(PHOTO[1], 3, patch_size=16, max_patches=4096)
+    dist.barrier()
+    decode = _median_s(lambda: pipeline(pipeline.decode(data, "calibration image")), repeats)
     return {"gemm": gemm, "attention": attention, "elementwise": elementwise, "allreduce": allreduce,
-            "tp_block": [tuple(blocks)]}
+            "tp_block": [tuple(blocks)], "decode": [(PHOTO[0] * PHOTO[1] / 1e6, decode)]}
 
 
 def fit(samples: dict[str, list[tuple[float, float]]], world_size: int, name: str, memory_gib: float) -> ClusterSpec:
@@ -128,7 +149,9 @@ def fit(samples: dict[str, list[tuple[float, float]]], world_size: int, name: st
         activation_bytes=4,
         precision="fp32",
     )
-    return ClusterSpec(name=name, nodes=1, gpus_per_node=n, device=device, intra_node=link, inter_node=link)
+    (megapixels, decode_s), = samples["decode"]
+    host = HostSpec(decode_ms_per_megapixel=decode_s * 1e3 / megapixels, loader_workers=1)
+    return ClusterSpec(name=name, nodes=1, gpus_per_node=n, device=device, intra_node=link, inter_node=link, host=host)
 
 
 def calibrate(ranks: int = 2, repeats: int = 7, name: str = "this-machine") -> ClusterSpec:

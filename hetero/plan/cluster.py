@@ -7,6 +7,7 @@
              memory_gb_s: 2700, elementwise_overhead_us: 4, activation_bytes: 2, precision: bf16}
     intra_node: {bandwidth_gb_s: 360, latency_us: 6}
     inter_node: {bandwidth_gb_s: 45, latency_us: 12}
+    host: {decode_ms_per_megapixel: 12, loader_workers: 8}
 
 ``peak_tflops`` is the datasheet figure MFU divides by; ``matmul_tflops`` and ``matmul_overhead_us``
 are what a GEMM really takes (time = overhead + FLOPs / rate), measured on the machine itself by
@@ -48,6 +49,16 @@ class DeviceSpec:
 
 
 @dataclass
+class HostSpec:
+    """The CPUs beside each device, as far as its data loading goes."""
+
+    # Decoding and preprocessing an image (Pillow, then hetero's ImagePipeline) on one core, per megapixel
+    # of the source image (0: free). A rank decodes its own replica's images (per-rank loading).
+    decode_ms_per_megapixel: float = 0.0
+    loader_workers: int = 4  # data workers per rank, decoding in parallel with the step
+
+
+@dataclass
 class LinkSpec:
     bandwidth_gb_s: float = 45.0  # per GPU, one direction
     latency_us: float = 10.0  # per collective step or message
@@ -61,6 +72,7 @@ class ClusterSpec:
     device: DeviceSpec = field(default_factory=DeviceSpec)
     intra_node: LinkSpec = field(default_factory=lambda: LinkSpec(360.0, 6.0))
     inter_node: LinkSpec = field(default_factory=LinkSpec)
+    host: HostSpec = field(default_factory=HostSpec)
     gpus: int = 0  # devices in all, the last node partly used (0: every device of every node)
 
     @property
@@ -105,11 +117,12 @@ def _section(cls, raw: object, where: str):
 def cluster_from_dict(raw: dict, source: str = "cluster") -> ClusterSpec:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: a cluster description is a mapping (nodes, gpus_per_node, device, ...)")
-    top = {k: v for k, v in raw.items() if k not in ("device", "intra_node", "inter_node")}
+    top = {k: v for k, v in raw.items() if k not in ("device", "intra_node", "inter_node", "host")}
     spec = _section(ClusterSpec, top, source)
     spec.device = _section(DeviceSpec, raw.get("device"), f"{source}: device")
     spec.intra_node = _section(LinkSpec, raw.get("intra_node"), f"{source}: intra_node") if "intra_node" in raw else spec.intra_node
     spec.inter_node = _section(LinkSpec, raw.get("inter_node"), f"{source}: inter_node")
+    spec.host = _section(HostSpec, raw.get("host"), f"{source}: host")
     errors = []
     for name in ("nodes", "gpus_per_node"):
         if not isinstance(getattr(spec, name), int) or getattr(spec, name) < 1:
@@ -123,6 +136,9 @@ def cluster_from_dict(raw: dict, source: str = "cluster") -> ClusterSpec:
         errors.append(f"device.precision={device.precision!r} is not one of bf16, fp32")
     if not 0 < device.usable_memory <= 1:
         errors.append(f"device.usable_memory={device.usable_memory} must be in (0, 1]")
+    if spec.host.loader_workers < 1:
+        errors.append(f"host.loader_workers={spec.host.loader_workers} must be at least 1 (a rank decodes its images "
+                      "in at least one worker)")
     for name in ("intra_node", "inter_node"):
         if getattr(spec, name).bandwidth_gb_s <= 0:
             errors.append(f"{name}.bandwidth_gb_s must be positive")

@@ -100,6 +100,8 @@ class Transformer:
     training: str = "full"  # full | inputs (frozen: input gradients only) | forward (frozen, nothing trained above)
     trained_share: float = 1.0  # full: the share of its parameters that train (the rest frozen by glob)
     head_size: int = 0  # a head's width where the model sets it (0: hidden / heads)
+    pixels: int = 0  # vit: pixels a rank's data workers decode and preprocess per sample
+    peak_seq: int = 0  # vit at native resolution: the largest image's patches (activation memory; 0: seq)
 
     @property
     def head_dim(self) -> int:
@@ -159,6 +161,7 @@ def describe(name: str, kind: str, config: GPTConfig | ViTConfig | GeneZipConfig
             head_in=config.channels * config.patch_size**2, out_width=config.out_size, out_tokens=config.feature_tokens,
             projector=config.projector, merge=config.merge,
             model_flops_per_sample=TRAINING_MULTIPLIER * vit_forward_flops_per_image(config),
+            pixels=config.image_size**2, peak_seq=config.max_patches,
         )
     if kind == "projector":  # no layers: the MLP only (one head: the search keeps it at tp=1)
         return Transformer(
@@ -412,6 +415,8 @@ class CostModel:
             per_token = 7 * module.hidden + 2 * module.ffn
         for stack in module.stack_list:
             stack_tokens = choice.micro * math.ceil(stack.seq / cp)
+            # Native resolution: memory must hold a microbatch of the largest images, time is the typical one's.
+            peak_tokens = choice.micro * math.ceil(max(stack.seq, module.peak_seq) / cp)
             # TP: the attention and MLP outputs are all-reduced in forward, their input gradients in backward.
             tp_s = ((4 if backward else 2) + (2 if recompute else 0)) * allreduce_s(stack_tokens * module.hidden * act, tp,
                                                                                     tp_link)
@@ -422,8 +427,8 @@ class CostModel:
             tp_layer.append(tp_s)
             cp_layer.append(cp_s)
             per_layer.append(passes * self.layer_forward_s(module, choice, stack) + tp_s + cp_s)
-            saved.append(0.0 if not backward else stack_tokens * (module.hidden if recompute else per_token) * act / tp)
-            whole.append(stack_tokens * per_token * act / tp)
+            saved.append(0.0 if not backward else peak_tokens * (module.hidden if recompute else per_token) * act / tp)
+            whole.append(peak_tokens * per_token * act / tp)
         if pp > 1:
             middle = later_layers * per_layer[0]
             stages = [first_layers * per_layer[0] + first + extra_first_stage_s, *[middle] * (pp - 2),
@@ -469,6 +474,12 @@ class CostModel:
             slots=slots,
             optimizer_s=optimizer_s,
         )
+
+    def host_s(self, module: Transformer, samples: float) -> float:
+        """What a rank's data workers take to decode and preprocess ``samples`` of ``module`` (images), in
+        parallel with the step: a side whose step is shorter waits for them."""
+        host = self.cluster.host
+        return samples * module.pixels / 1e6 * host.decode_ms_per_megapixel / 1e3 / host.loader_workers
 
     def fits(self, memory_bytes: float) -> bool:
         return memory_bytes <= self.device.usable_memory * self.device.memory_gib * GIB

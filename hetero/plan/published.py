@@ -45,10 +45,11 @@ def qwen35_27b(seq_len: int) -> GPTConfig:
                      ffn_hidden_size=17_408, seq_len=seq_len)
 
 
-def qwen3_vl_encoder(llm_width: int, side: int = 62) -> ViTConfig:
-    """Qwen3-VL's encoder on images of ``side`` x ``side`` patches of 16 px."""
+def qwen3_vl_encoder(llm_width: int, side: int = 62, max_patches: int = 0) -> ViTConfig:
+    """Qwen3-VL's encoder on images of ``side`` x ``side`` patches of 16 px (``max_patches``: at native
+    resolution, the largest image's patches, which activation memory must hold)."""
     return ViTConfig(image_size=side * 16, patch_size=16, channels=3, hidden_size=1152, num_layers=27, num_heads=16,
-                     ffn_hidden_size=4304, out_size=llm_width, class_token=False, merge=2)
+                     ffn_hidden_size=4304, out_size=llm_width, class_token=False, merge=2, max_patches=max_patches)
 
 
 def image_side(seq_len: int, scaled: bool) -> int:
@@ -58,9 +59,10 @@ def image_side(seq_len: int, scaled: bool) -> int:
     return round(62 * math.sqrt(seq_len / 2048)) // 2 * 2 if scaled else 62
 
 
-def bridge_workload(seq_len: int, global_batch: int, scaled: bool = False) -> Workload:
+def bridge_workload(seq_len: int, global_batch: int, scaled: bool = False, native: bool = False) -> Workload:
+    """``native``: images at native resolution, the largest filling the context (4 patches a token)."""
     llm = qwen35_27b(seq_len)
-    encoder = qwen3_vl_encoder(llm.hidden_size, image_side(seq_len, scaled))
+    encoder = qwen3_vl_encoder(llm.hidden_size, image_side(seq_len, scaled), 4 * seq_len if native else 0)
     return Workload(describe("llm", "gpt", llm), {"vision": describe("vision", "vit", encoder)},
                     sequences=global_batch, per_sequence={"vision": 1.0})
 
@@ -104,6 +106,14 @@ def compare(cluster: ClusterSpec, seq_len: int, global_batch: int, scaled: bool 
     plans = [p for choice, cost in options if (p := seventeen.three_sides(HETERO_GPUS, 1, 0, choice, cost)) is not None]
     hetero = min(plans, key=lambda p: p.step_s)
     return Comparison(seq_len, global_batch, alone, megatron, tuned, hetero)
+
+
+def eight_gpu_memory_gib(cluster: ClusterSpec, seq_len: int, global_batch: int, native: bool) -> float:
+    """The least memory per GPU of any Megatron-style layout (even or tuned split) of the run on 8 GPUs,
+    fitting or not."""
+    roomy = dataclasses.replace(cluster, nodes=1, gpus=8, device=dataclasses.replace(cluster.device, memory_gib=1e9))
+    planner = Planner(roomy, bridge_workload(seq_len, global_batch, native=native))
+    return min(p.memory_gib for even in (True, False) for p in planner.homogeneous(8, even))
 
 
 def _stages(plan: Plan) -> str:
@@ -157,6 +167,16 @@ def report(cluster: ClusterSpec) -> str:
         r = compare(cluster, seq, gbs, scaled=True)
         lines.append(f"| {seq}, {gbs} | {r.megatron.step_s:.3f} s | {r.hetero.step_s:.3f} s | {r.gain(r.megatron):+.1%} | "
                      f"{r.gain(r.tuned):+.1%} |")
+    usable = cluster.device.usable_memory * cluster.device.memory_gib
+    host = cluster.host
+    lines += ["", f"Host: the 17th GPU's rank decodes every image of the step ({host.decode_ms_per_megapixel:g} ms a "
+              f"megapixel, {host.loader_workers} workers): " + ", ".join(
+                  f"{r.seq_len}/{r.global_batch} {r.hetero.host_s * 1e3:.0f} ms of a {r.hetero.costs['vision'].step_s:.3f} s "
+                  f"encoder step" for r in rows)]
+    lines += ["", f"Memory on 8 GPUs (the least of any Megatron-style layout; {usable:.0f} GiB usable), with 961-token "
+              "images / at native resolution with images up to the whole context: " + ", ".join(
+                  f"{seq}/{gbs} {eight_gpu_memory_gib(cluster, seq, gbs, False):.1f} / "
+                  f"{eight_gpu_memory_gib(cluster, seq, gbs, True):.1f} GiB" for seq, gbs in PUBLISHED)]
     lines += ["", "Layouts: " + "; ".join(f"{r.seq_len}/{r.global_batch}: Megatron-style {_stages(r.megatron)}, "
                                          f"17 GPUs {_stages(r.hetero)} ({r.hetero.describe()})" for r in rows)]
     return "\n".join(lines)

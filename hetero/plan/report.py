@@ -56,7 +56,7 @@ def format_context(context: int, workload: Workload, plans: dict[str, list[Plan]
 def plan_json(plan: Plan) -> dict:
     return {
         "mode": plan.mode, "step_s": plan.step_s, "tflops_per_gpu": plan.tflops_per_gpu,
-        "memory_gib": plan.memory_gib, "boundary_s": plan.boundary_s, "ranks": plan.ranks,
+        "memory_gib": plan.memory_gib, "boundary_s": plan.boundary_s, "host_s": plan.host_s, "ranks": plan.ranks,
         "breakdown": plan.breakdown(),
         "layouts": {n: asdict(c) for n, c in plan.choices.items()},
         "modules": {n: asdict(c) for n, c in plan.costs.items()},

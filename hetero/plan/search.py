@@ -19,6 +19,7 @@ placement modes over the same world of N devices:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class Plan:
     model_flops: float
     world_size: int
     folded: tuple[str, ...] = ()  # modules whose forwards and backwards run inside another's stage (homogeneous)
+    host_s: float = 0.0  # the busiest rank's image decoding per step, by its data workers beside the step
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -203,11 +205,12 @@ class Planner:
                 memory = cost.memory_bytes + encoder_memory
                 if not self.model.fits(memory):
                     continue
-                step = cost.step_s + sum(c.dp_s for c in encoder_costs.values())
+                host = self.host_s(self.workload.others, choice.dp)  # stage 0's ranks decode the images
+                step = max(cost.step_s + sum(c.dp_s for c in encoder_costs.values()), host)
                 ranks = {n: world for n in [*self.workload.others, llm.name]}
                 choices = {n: choice for n in self.workload.others} | {llm.name: choice}  # one grid for all
                 plans.append(Plan("megatron" if even else "homogeneous", ranks, choices, encoder_costs | {llm.name: cost}, step,
-                                  memory / GIB, 0.0, self.workload.model_flops, world, tuple(encoder_costs)))
+                                  memory / GIB, 0.0, self.workload.model_flops, world, tuple(encoder_costs), host))
         return sorted(plans, key=lambda plan: plan.step_s)
 
     def colocated(self, world: int) -> list[Plan]:
@@ -224,11 +227,12 @@ class Planner:
                     continue
                 encoders = [c for _, c in picks.values()]
                 step = (phased_colocated_s if mode == "colocated" else graph_1f1b_colocated_s)(cost, encoders) + boundary
+                host = sum(self.host_s([n], c.dp) for n, (c, _) in picks.items())
                 memory = cost.memory_bytes + sum(c.memory_bytes for c in encoders)
                 plans.append(Plan(mode, dict.fromkeys([*picks, llm.name], world),
                                   {n: c for n, (c, _) in picks.items()} | {llm.name: choice},
-                                  {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, step, memory / GIB,
-                                  boundary, self.workload.model_flops, world))
+                                  {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, max(step, host),
+                                  memory / GIB, boundary, self.workload.model_flops, world, host_s=host))
         return sorted(plans, key=lambda plan: plan.step_s)
 
     def plans_of(self, mode: str, plans: list[Plan]) -> list[Plan]:
@@ -284,7 +288,8 @@ class Planner:
         if front is None or back is None:
             return None
         llm_ranks = world - before - after
-        sides = ([sum(c.step_s for _, c in front.values())] if encoders else []) + [cost.step_s]
+        host = sum(self.host_s([n], c.dp) for n, (c, _) in front.items())  # the encoders' ranks decode
+        sides = ([max(sum(c.step_s for _, c in front.values()), host)] if encoders else []) + [cost.step_s]
         sides += [sum(c.step_s for _, c in back.values())] if consumers else []
         m = cost.microbatches
         links = [self._boundary_s(before, llm_ranks, encoders, 2 * m) if encoders else None,
@@ -296,7 +301,13 @@ class Planner:
                      sum(c.memory_gib for _, c in back.values()))
         return Plan("non_colocated", ranks, {n: c for n, (c, _) in picks.items()} | {llm.name: choice},
                     {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, step, memory, boundary,
-                    self.workload.model_flops, world)
+                    self.workload.model_flops, world, host_s=host)
+
+    def host_s(self, names, replicas: int) -> float:
+        """A rank's decoding per step for the encoders ``names`` it runs at ``replicas`` DP replicas (each
+        replica's ranks decode that replica's share of the images)."""
+        return sum(self.model.host_s(self.workload.others[n], math.ceil(self.workload.samples(n) / replicas))
+                   for n in names if n in self.workload.encoders)
 
     def _boundary_s(self, senders: int, receivers: int, names: list[str] | None = None, messages: int = 1) -> float:
         """The traffic between the LLM and ``names`` (default: the encoders), spread over the pairs of
@@ -376,21 +387,24 @@ def predict_configured(experiment: ExperimentConfig, placement: Placement, clust
     ranks = {n: layout.size for n, layout in placement.layouts.items()}
     world = placement.world_size
     if relations == {"overlapping"} and not consumers and all(_in_first_stage(placement, n, llm) for n in encoders):
-        return _folded_plan(experiment, placement, workload, planner, choices, costs, ranks, world)
+        plan = _folded_plan(experiment, placement, workload, planner, choices, costs, ranks, world)
+        host = sum(planner.host_s([n], placement.layouts[n].dp) for n in encoders)
+        return dataclasses.replace(plan, step_s=max(plan.step_s, host), host_s=host)
     front = {placement.layouts[n].ranks for n in encoders}
     back = {placement.layouts[n].ranks for n in consumers}
+    host = sum(planner.host_s([n], placement.layouts[n].dp) for n in encoders)  # the encoders' ranks decode
     if relations <= {"colocated"}:
         boundary = planner._boundary_s(world, world, others) if others else 0.0
         one_1f1b = resolve_schedule(experiment, placement) == "graph_1f1b"
         step = (graph_1f1b_colocated_s if one_1f1b else phased_colocated_s)(costs[llm], [costs[n] for n in others])
-        step += boundary
+        step = max(step + boundary, host)
         mode = "colocated_1f1b" if one_1f1b else "colocated"
     elif relations == {"disjoint"} and len(front) <= 1 and len(back) <= 1 and (
             front == back or not front or not back or not set(*front) & set(*back)):
         m = costs[llm].microbatches
         front_link = planner._boundary_s(ranks[encoders[0]], ranks[llm], encoders, 2 * m) if encoders else None
         back_link = planner._boundary_s(ranks[llm], ranks[consumers[0]], consumers, 2 * m) if consumers else None
-        before, after = sum(costs[n].step_s for n in encoders), sum(costs[n].step_s for n in consumers)
+        before, after = max(sum(costs[n].step_s for n in encoders), host), sum(costs[n].step_s for n in consumers)
         if front == back:  # encoders and consumers take turns on one set of ranks
             side_s, links = [before + after, costs[llm].step_s], [(front_link or 0.0) + (back_link or 0.0)]
         else:
@@ -412,7 +426,7 @@ def predict_configured(experiment: ExperimentConfig, placement: Placement, clust
             f"this experiment's modules relate to the LLM as {sorted(relations)}"
         )
     memory = max(sum(costs[n].memory_bytes for n in placement.modules_on(r)) for r in range(world))
-    return Plan(mode, ranks, choices, costs, step, memory / GIB, boundary, workload.model_flops, world)
+    return Plan(mode, ranks, choices, costs, step, memory / GIB, boundary, workload.model_flops, world, host_s=host)
 
 
 def _in_first_stage(placement: Placement, name: str, llm: str) -> bool:

@@ -74,14 +74,14 @@ class Executor:
         self.handlers = {"F": self.forward, "B": self.backward, "EF": self.edge_forward, "EB": self.edge_backward}
         self.trace = runtime.trace if training else None
 
-    def _traced(self, name: str, category: str):
-        return self.trace.span(name, category) if self.trace is not None else contextlib.nullcontext()
+    def _traced(self, name: str | Action, category: str):
+        return self.trace.span(str(name), category) if self.trace is not None else contextlib.nullcontext()
 
     def run(self, actions: list[Action], wait: bool = True) -> None:
         """Run ``actions``; then, unless ``wait`` is false (sends for the next step, received there), wait
         for every send they posted."""
         for action in actions:
-            with self._traced(str(action), "action"):
+            with self._traced(action, "action"):
                 self.handlers[action.op](action.target, action.microbatch)
         if not wait:
             return

@@ -76,6 +76,7 @@ class ModuleState:
                 self.pretrained_bytes = node.kind.load_pretrained(self.model, pretrained)
         freeze(self.model, node.settings)
         self.trained = trained(self.model)  # fixed from here on: walked every step, listed once
+        self._norm_groups: list[int] | None = None  # local_squares' group of each trained parameter
         self.optimizer = (build_adamw(self.model, node.settings.optim, fused=device.type == "cuda")
                           if self.trained else None)
         self.replica_sync = self._replica_sync()
@@ -103,17 +104,12 @@ class ModuleState:
         """Sums of squared gradients this rank holds (no collectives): of TP-sharded parameters, of
         EP-sharded ones (experts), and of the others, summed in float64. A NaN or an infinity in any
         gradient makes them non-finite."""
+        if self._norm_groups is None:  # by the settled gradients' placements, which stay from step to step
+            self._norm_groups = [_norm_group(param) for param in self.trained]
         groups: tuple[dict, dict, dict] = ({}, {}, {})  # tp-sharded, ep-sharded, replicated; each by dtype
-        for param in self.trained:
-            grad = local_grad(param)
-            if grad is None:
-                continue
-            placements = param.grad.placements if isinstance(param.grad, DTensor) else ()
-            if not any(isinstance(p, Shard) for p in placements):
-                group = groups[2]
-            else:
-                group = groups[1] if is_expert_weight(param) else groups[0]
-            group.setdefault(grad.dtype, []).append(grad)
+        for param, group in zip(self.trained, self._norm_groups):
+            if (grad := local_grad(param)) is not None:
+                groups[group].setdefault(grad.dtype, []).append(grad)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         sums = [sum((sum_of_squares(grads) for grads in group.values()), zero) for group in groups]
         return sums[0], sums[1], sums[2]
@@ -141,9 +137,9 @@ class ModuleState:
         return total
 
     def scale_grads(self, factor: float) -> None:
-        for param in self.trained:
-            if param.grad is not None:
-                param.grad.mul_(factor)
+        grads = [grad for param in self.trained if (grad := local_grad(param)) is not None]
+        if grads:  # a frozen module has none
+            torch._foreach_mul_(grads, factor)
 
     def step(self, step: int) -> None:
         if self.optimizer is None:
@@ -188,6 +184,14 @@ def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     overhead bench's 0.6M parameters (1% of its step) for a norm that moves by ~5e-8."""
     widen = torch.float32 if grads[0].dtype in (torch.bfloat16, torch.float16) else None
     return torch.stack(torch._foreach_norm(grads, 2, dtype=widen)).double().square().sum()
+
+
+def _norm_group(param: nn.Parameter) -> int:
+    """Which of ``local_squares``' sums a settled gradient goes to: 0 TP-sharded, 1 EP-sharded, 2 replicated."""
+    placements = param.grad.placements if isinstance(param.grad, DTensor) else ()
+    if not any(isinstance(p, Shard) for p in placements):
+        return 2
+    return 1 if is_expert_weight(param) else 0
 
 
 def settle_partial(param: nn.Parameter) -> None:

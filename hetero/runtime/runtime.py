@@ -216,8 +216,9 @@ class Runtime:
             edge.begin(compressed, keys(e, e.src) if compressed else [], keys(e, e.dst) if compressed else [], fresh, ids)
         for name, links in self.links.items():
             compressed = training and bool(links.ends)
-            local = [rows.local(name, m, self.modules[name].mesh.coord.dp) for m in range(self.microbatches)]
-            links.begin(compressed, local if compressed else [], fresh, ids)
+            local = ([rows.local(name, m, self.modules[name].mesh.coord.dp) for m in range(self.microbatches)]
+                     if compressed else [])
+            links.begin(compressed, local, fresh, ids)
 
     # -------------------------------------------------------------------------- the step's end
 

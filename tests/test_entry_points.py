@@ -1,6 +1,7 @@
 """The learning run and the benchmarks run end to end (tiny budgets; no timing assertions)."""
 
 import math
+import re
 import subprocess
 import sys
 
@@ -24,7 +25,10 @@ def test_overhead_benchmark_reports_a_ratio():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ratio hetero / plain" in done.stdout
-    assert "largest loss difference 0.00e+00" in done.stdout  # same model, same data, same losses
+    # same model, same data, both clipping at 1.0: the norms differ only in summation order (hetero sums
+    # the per-tensor squares in float64), so the clipped updates agree to rounding
+    differences = re.search(r"loss (\S+), gradient norm (\S+)", done.stdout)
+    assert differences and max(float(differences[1]), float(differences[2])) < 1e-5, done.stdout
 
 
 def test_dechunk_benchmark_times_the_scan_beside_the_loop():
@@ -103,6 +107,8 @@ def test_genezip_benchmark_prints_every_model(tmp_path):
             if line.split() and line.split()[0] in ("genezip", "hnet", "fixed")}
     assert set(rows) == {"genezip", "hnet", "fixed"}
     assert "yes" in rows["fixed"]  # a token every 4 bases: 16 per 64-base window, above the floor of 4
+    paired = done.stdout.split("GeneZip - H-Net, paired by seed (0)")[1].splitlines()
+    assert paired[1].split(":")[0].strip() == "bits_per_base" and "parameters" in paired[5]
     sweep = done.stdout.split("targets sweep")[1].splitlines()[2:]
     assert [line.split()[0] for line in sweep if line.strip()] == ["1.5", "2", "3"]
     assert "(11.09)" in sweep[2]  # intergenic at 3 × coding, at an average of 4 bases per token

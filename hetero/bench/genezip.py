@@ -18,7 +18,9 @@ Annotations enter only GeneZip's training (its ratio loss and its region budget'
 routes raw DNA. Reported on every
 held-out window, as mean ± std over seeds: bits per base of next-base prediction (overall and per region),
 the achieved BPT per region against its target, and the fewest chunk starts in any routing window and any
-sequence (the floor is ``--min-boundaries`` per window of ``--routing-window`` bases). The targets sweep
+sequence (the floor is ``--min-boundaries`` per window of ``--routing-window`` bases); then GeneZip against
+H-Net paired by seed: the differences in bits/base, their mean ± std, the average BPTs' difference,
+parameters and seconds. The targets sweep
 trains GeneZip alone at each ``--sweep`` intergenic/coding ratio (the same average BPT, every seed) and
 reports each region's achieved BPT against its target. ``--jobs`` trains that many models at once, one
 process each with the cores divided evenly (the runs are independent).
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = {name: [result for run, result in zip(runs, results) if run.name == name and run.ratio == args.intergenic_ratio]
             for name in args.variants}
     print_table(rows, configs, args)
+    if {"genezip", "hnet"} <= set(args.variants):
+        print_paired(rows["genezip"], rows["hnet"], args.seeds)
     if "genezip" in args.variants:
         print_sweep(runs, results, args)
     return 0
@@ -218,6 +222,25 @@ def print_table(rows: dict[str, list[dict[str, float]]], configs: dict[str, Gene
             offs = [r[f"bpt.{region}"] / target - 1 for r in rows["genezip"]]
             print(f"GeneZip's {region} BPT is off its target {target:.2f} by "
                   + ", ".join(f"{off:+.1%}" for off in offs) + " (per seed)")
+
+
+def print_paired(genezip: list[dict[str, float]], hnet: list[dict[str, float]], seeds: list[int]) -> None:
+    """GeneZip against H-Net seed by seed (a seed gives both the same training batches): the differences,
+    their mean ± std, and whether GeneZip's held-out bits/base is at most H-Net's + half the paired std."""
+    print(f"\nGeneZip - H-Net, paired by seed ({', '.join(map(str, seeds))}); mean ± std")
+    for key in ("bits_per_base", *(f"bits.{r}" for r in REGIONS)):
+        differences = [g[key] - h[key] for g, h in zip(genezip, hnet)]
+        print(f"{key:>16}: " + ", ".join(f"{d:+.4f}" for d in differences) + f"; {spread(differences, 4)}")
+    ratios = [g["bpt"] / h["bpt"] - 1 for g, h in zip(genezip, hnet)]
+    print(f"{'average BPT':>16}: GeneZip's off H-Net's by " + ", ".join(f"{r:+.1%}" for r in ratios))
+    print(f"{'parameters':>16}: {genezip[0]['params']:.0f} / {hnet[0]['params']:.0f} "
+          f"({genezip[0]['params'] / hnet[0]['params']:.2f}x); seconds {statistics.fmean(g['seconds'] for g in genezip):.0f} "
+          f"/ {statistics.fmean(h['seconds'] for h in hnet):.0f} a model")
+    differences = [g["bits_per_base"] - h["bits_per_base"] for g, h in zip(genezip, hnet)]
+    if len(differences) > 1:
+        mean, std = statistics.fmean(differences), statistics.stdev(differences)
+        print(f"GeneZip's bits/base at most H-Net's + 0.5 x the paired std: {'yes' if mean <= 0.5 * std else 'no'} "
+              f"({mean:+.4f} against {0.5 * std:.4f})")
 
 
 def print_sweep(runs: list[Run], results: list[dict[str, float]], args) -> None:

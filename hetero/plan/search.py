@@ -205,7 +205,7 @@ class Planner:
                 memory = cost.memory_bytes + encoder_memory
                 if not self.model.fits(memory):
                     continue
-                host = self.host_s(self.workload.others, choice.dp)  # stage 0's ranks decode the images
+                host = sum(self.host_s(n, choice.dp) for n in self.workload.others)  # stage 0's ranks decode
                 step = max(cost.step_s + sum(c.dp_s for c in encoder_costs.values()), host)
                 ranks = {n: world for n in [*self.workload.others, llm.name]}
                 choices = {n: choice for n in self.workload.others} | {llm.name: choice}  # one grid for all
@@ -227,7 +227,7 @@ class Planner:
                     continue
                 encoders = [c for _, c in picks.values()]
                 step = (phased_colocated_s if mode == "colocated" else graph_1f1b_colocated_s)(cost, encoders) + boundary
-                host = sum(self.host_s([n], c.dp) for n, (c, _) in picks.items())
+                host = sum(self.host_s(n, c.dp) for n, (c, _) in picks.items())
                 memory = cost.memory_bytes + sum(c.memory_bytes for c in encoders)
                 plans.append(Plan(mode, dict.fromkeys([*picks, llm.name], world),
                                   {n: c for n, (c, _) in picks.items()} | {llm.name: choice},
@@ -288,7 +288,7 @@ class Planner:
         if front is None or back is None:
             return None
         llm_ranks = world - before - after
-        host = sum(self.host_s([n], c.dp) for n, (c, _) in front.items())  # the encoders' ranks decode
+        host = sum(self.host_s(n, c.dp) for n, (c, _) in front.items())  # the encoders' ranks decode
         sides = ([max(sum(c.step_s for _, c in front.values()), host)] if encoders else []) + [cost.step_s]
         sides += [sum(c.step_s for _, c in back.values())] if consumers else []
         m = cost.microbatches
@@ -303,11 +303,12 @@ class Planner:
                     {n: c for n, (_, c) in picks.items()} | {llm.name: cost}, step, memory, boundary,
                     self.workload.model_flops, world, host_s=host)
 
-    def host_s(self, names, replicas: int) -> float:
-        """A rank's decoding per step for the encoders ``names`` it runs at ``replicas`` DP replicas (each
-        replica's ranks decode that replica's share of the images)."""
-        return sum(self.model.host_s(self.workload.others[n], math.ceil(self.workload.samples(n) / replicas))
-                   for n in names if n in self.workload.encoders)
+    def host_s(self, name: str, replicas: int) -> float:
+        """A rank's decoding per step for module ``name`` at ``replicas`` DP replicas (each replica's ranks
+        decode that replica's share of the images; a consumer decodes none)."""
+        if name not in self.workload.encoders:
+            return 0.0
+        return self.model.host_s(self.workload.encoders[name], math.ceil(self.workload.samples(name) / replicas))
 
     def _boundary_s(self, senders: int, receivers: int, names: list[str] | None = None, messages: int = 1) -> float:
         """The traffic between the LLM and ``names`` (default: the encoders), spread over the pairs of
@@ -386,13 +387,12 @@ def predict_configured(experiment: ExperimentConfig, placement: Placement, clust
     relations = {placement.relation(name, llm) for name in others}
     ranks = {n: layout.size for n, layout in placement.layouts.items()}
     world = placement.world_size
+    host = sum(planner.host_s(n, placement.layouts[n].dp) for n in encoders)  # the encoders' ranks decode
     if relations == {"overlapping"} and not consumers and all(_in_first_stage(placement, n, llm) for n in encoders):
         plan = _folded_plan(experiment, placement, workload, planner, choices, costs, ranks, world)
-        host = sum(planner.host_s([n], placement.layouts[n].dp) for n in encoders)
         return dataclasses.replace(plan, step_s=max(plan.step_s, host), host_s=host)
     front = {placement.layouts[n].ranks for n in encoders}
     back = {placement.layouts[n].ranks for n in consumers}
-    host = sum(planner.host_s([n], placement.layouts[n].dp) for n in encoders)  # the encoders' ranks decode
     if relations <= {"colocated"}:
         boundary = planner._boundary_s(world, world, others) if others else 0.0
         one_1f1b = resolve_schedule(experiment, placement) == "graph_1f1b"

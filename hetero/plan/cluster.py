@@ -53,7 +53,8 @@ class HostSpec:
     """The CPUs beside each device, as far as its data loading goes."""
 
     # Decoding and preprocessing an image (Pillow, then hetero's ImagePipeline) on one core, per megapixel
-    # of the source image (0: free). A rank decodes its own replica's images (per-rank loading).
+    # (0: free); the planner takes the model's input image (image_size²) as the decoded size. A rank
+    # decodes its own replica's images (per-rank loading).
     decode_ms_per_megapixel: float = 0.0
     loader_workers: int = 4  # data workers per rank, decoding in parallel with the step
 

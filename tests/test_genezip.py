@@ -181,6 +181,28 @@ def test_region_budget_is_causal():
         assert (after.region_logits[:, t:] - before.region_logits[:, t:]).abs().max() > 1e-6
 
 
+def test_ratio_loss_trains_the_router_not_the_budgets_bias():
+    """The budget's bias moves the chunk starts and the de-chunker's rates, but the ratio loss reads the
+    router's own probabilities and decisions: the same loss and router gradient whatever the bias."""
+    torch.manual_seed(0)
+    model = GeneZip(budget_config())
+    bases = torch.randint(0, 4, (3, 96))
+    regions = torch.randint(0, 2, (3, 96))
+    ratios, gradients, starts = [], [], []
+    for bias in ([0.0, 0.0], [-2.0, 2.0]):
+        model.budget.bias.copy_(torch.tensor(bias))
+        model.zero_grad()
+        output = model(bases)
+        ratio = genezip_loss(model.config, output, bases, regions).ratio
+        ratio.sum().backward()
+        ratios.append(ratio.detach())
+        gradients.append(model.stage.router.wq.weight.grad.clone())
+        starts.append(output.routings[0].boundary)
+    assert not torch.equal(starts[0], starts[1])
+    assert torch.equal(ratios[0], ratios[1]) and torch.equal(gradients[0], gradients[1])
+    assert gradients[0].abs().sum() > 0
+
+
 def test_reading_frame_features_restart_at_an_in_frame_stop():
     """After TAA ends at position 8, the frame of the codon ending at t = 8 + 3k counts bases since 8; the
     other frames (no stop) count from the sequence start."""

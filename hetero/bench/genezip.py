@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--main-layers", type=int, default=2)
     parser.add_argument("--local-window", type=int, default=64)
     parser.add_argument("--ratio-weight", type=float, default=0.3)
+    parser.add_argument("--region-channels", type=int, default=GeneZipConfig.region_channels,
+                        help="width of GeneZip's region classifier")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_len=args.window, hidden_size=args.hidden, encoder_layers=args.encoder_layers,
         decoder_layers=args.encoder_layers, main_layers=args.main_layers, local_window=args.local_window,
         target_bpt=args.target_bpt, ratio_weight=args.ratio_weight, routing_window=args.routing_window,
-        min_boundaries=args.min_boundaries, max_boundaries=args.max_boundaries,
+        min_boundaries=args.min_boundaries, max_boundaries=args.max_boundaries, region_channels=args.region_channels,
     )
     targets = region_targets(args.target_bpt, args.intergenic_ratio, coding_fraction)
     configs = variant_configs(base, targets)

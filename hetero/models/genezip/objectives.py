@@ -37,7 +37,8 @@ def next_base_loss(logits: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
 def ratio_loss(routing: Routing, targets: torch.Tensor, regions: torch.Tensor | None) -> torch.Tensor:
     """H-Net's ratio loss per sequence, computed per region against its target bases per token and
     weighted by the region's share of the sequence's real positions. ``targets`` (regions,) are indexed
-    by ``regions`` (batch, length); None: one region, ``targets[0]``."""
+    by ``regions`` (batch, length); None: one region, ``targets[0]``. F and G are the router's own (before
+    a region budget's bias): the loss trains the router, the budget's controller steers the bias."""
     valid = routing.valid
     regions = torch.zeros_like(valid, dtype=torch.long) if regions is None else regions
     total = torch.zeros(valid.shape[0], dtype=routing.probability.dtype, device=valid.device)
@@ -45,8 +46,8 @@ def ratio_loss(routing: Routing, targets: torch.Tensor, regions: torch.Tensor | 
     for region, target in enumerate(targets.tolist()):
         mask = valid & (regions == region)
         size = mask.sum(1)
-        chosen = (routing.boundary & mask).sum(1) / size.clamp(min=1)  # F: no gradient
-        probability = (routing.probability * mask).sum(1) / size.clamp(min=1)  # G
+        chosen = (routing.router_boundary & mask).sum(1) / size.clamp(min=1)  # F: no gradient
+        probability = (routing.router_probability * mask).sum(1) / size.clamp(min=1)  # G
         loss = target / (target - 1) * ((target - 1) * chosen * probability + (1 - chosen) * (1 - probability))
         total = total + loss * size / count
     return total

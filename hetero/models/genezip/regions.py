@@ -11,7 +11,8 @@ The budget adds what the router lacks:
   ``region``); at inference it reads raw DNA only;
 - a **router bias per predicted region**: stage 1's boundary probability becomes
   ``sigmoid(logit p + bias[k])`` with k the classifier's call (coding when its logit exceeds the log-odds
-  of coding in the training data seen so far);
+  of coding in the training data seen so far). The shifted probability chooses the chunk starts and feeds
+  the de-chunker; the ratio loss keeps training the router on p itself (``model.py`` says why);
 - a **controller** that sets the two biases after every optimizer step. From the step's counts (bases and
   chunk starts per true × predicted region) it keeps an EMA, reads each true region's rate error
   ``e = log(achieved / wanted)`` and the share ``S[r][k]`` of region r's chunk starts that fall in call k

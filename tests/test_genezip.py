@@ -1,7 +1,7 @@
 """GeneZip's parts: causal prediction through dynamic chunking (one and two stages, and fixed stride),
 bounded routing, the de-chunker's EMA, the straight-through confidence, the ratio loss's fixed point, the
-compressed tokens it hands on, and the region budget (causal calls, reading-frame features, the
-controller's step)."""
+compressed tokens it hands on, the region budget (causal calls, reading-frame features, the controller's
+step), and the rate shift that compresses at a chosen rate."""
 
 import math
 
@@ -18,7 +18,8 @@ from hetero.models.genezip.model import (
 )
 from hetero.bench.dechunk import smooth_chunks_loop, worst_case
 from hetero.models.genezip.config import GeneZipConfig
-from hetero.models.genezip.objectives import genezip_loss, ratio_loss, routing_counts
+from hetero.models.genezip.objectives import genezip_loss, heldout_metrics, ratio_loss, routing_counts
+from hetero.models.genezip.rate import matched_rate_shift
 from hetero.models.genezip.regions import BIAS_LIMIT, reading_frame_features
 from hetero.data.genome import BASES
 
@@ -201,6 +202,27 @@ def test_ratio_loss_trains_the_router_not_the_budgets_bias():
     assert not torch.equal(starts[0], starts[1])
     assert torch.equal(ratios[0], ratios[1]) and torch.equal(gradients[0], gradients[1])
     assert gradients[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("budget", [False, True])
+def test_the_matched_rate_shift_routes_the_batches_at_the_wanted_rate(budget):
+    """Above and below the rate a model routes at unshifted, the shift it finds makes the forward pass route
+    the same batches at the target (to a chunk start or two), with or without a region budget's biases."""
+    torch.manual_seed(0)
+    regions = dict(region_bpt={"coding": 3.0, "intergenic": 6.0}, region_channels=8) if budget else {}
+    model = GeneZip(GeneZipConfig(**SMALL, min_boundaries=2, **regions))
+    torch.nn.init.orthogonal_(model.stage.router.wk.weight)  # boundary probabilities around 1/2
+    if budget:  # the untrained classifier calls most bases coding
+        model.budget.bias.copy_(torch.tensor([-0.3, 0.05]))
+    batches = [{"bases": torch.randint(0, 4, (4, 96)), "regions": torch.randint(0, 2, (4, 96))} for _ in range(2)]
+    bases = 2 * 4 * 96
+    unshifted = heldout_metrics(model, batches)["bpt"]
+    for target in (unshifted * 0.8, unshifted * 1.25):
+        shift = matched_rate_shift(model, batches, target)
+        achieved = heldout_metrics(model, batches, shift)["bpt"]
+        assert shift != 0 and abs(bases / achieved - bases / target) <= 2
+    with pytest.raises(ValueError, match="out of reach"):
+        matched_rate_shift(model, batches, 16 / 1.5)  # fewer starts than the floor of 2 per 16 bases
 
 
 def test_reading_frame_features_restart_at_an_in_frame_stop():

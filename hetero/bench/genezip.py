@@ -20,7 +20,9 @@ held-out window, as mean ± std over seeds: bits per base of next-base predictio
 the achieved BPT per region against its target, and the fewest chunk starts in any routing window and any
 sequence (the floor is ``--min-boundaries`` per window of ``--routing-window`` bases); then GeneZip against
 H-Net paired by seed: the differences in bits/base, their mean ± std, the average BPTs' difference,
-parameters and seconds. The targets sweep
+parameters and seconds. Each of those comes twice: as trained, and at equal rate, where each dynamic model
+routes the held-out DNA at exactly ``--target-bpt`` on average (one log-odds shift of its router found on the
+held-out bases, no labels: ``hetero.models.genezip.rate``). The targets sweep
 trains GeneZip alone at each ``--sweep`` intergenic/coding ratio (the same average BPT, every seed) and
 reports each region's achieved BPT against its target. ``--jobs`` trains that many models at once, one
 process each with the cores divided evenly (the runs are independent).
@@ -45,6 +47,7 @@ from hetero.errors import ConfigError
 from hetero.models.genezip.model import GeneZip
 from hetero.models.genezip.config import GeneZipConfig
 from hetero.models.genezip.objectives import bits_per_base, genezip_loss, heldout_metrics
+from hetero.models.genezip.rate import matched_rate_shift
 
 VARIANTS = ("genezip", "hnet", "fixed")
 
@@ -95,15 +98,23 @@ class Run:
     config: GeneZipConfig
 
 
-def train_and_evaluate(run: Run, args: argparse.Namespace, threads: int) -> dict[str, float]:
+def train_and_evaluate(run: Run, args: argparse.Namespace, threads: int) -> dict:
+    """Held-out metrics as trained, and under ``"matched"`` at the average ``--target-bpt`` (with the shift)."""
     torch.set_num_threads(threads)
     train_data = GenomeWindows(args.data, "train", args.batch, run.seed)
     heldout = GenomeWindows(args.data, "heldout", 64)
+    batches = lambda: itertools.islice(heldout.ordered_batches(), args.eval_batches or None)  # noqa: E731
     started = time.perf_counter()
     model, losses = train(run.config, train_data, args.steps, args.lr, run.seed)
-    result = heldout_metrics(model, itertools.islice(heldout.ordered_batches(), args.eval_batches or None))
+    result = heldout_metrics(model, batches())
     result["params"] = float(sum(p.numel() for p in model.parameters()))
     result["seconds"] = time.perf_counter() - started
+    if run.config.routing == "fixed":  # its rate is its stride
+        result["matched"] = dict(result, shift=0.0)
+    else:
+        shift = matched_rate_shift(model, batches(), args.target_bpt)
+        result["matched"] = heldout_metrics(model, batches(), shift) | {
+            "shift": shift, "params": result["params"], "seconds": result["seconds"]}
     result["train_bits_per_base"] = float(bits_per_base(torch.tensor(losses[-50:]).mean()))
     if model.budget is not None:
         result["bias"] = model.budget.bias.tolist()
@@ -163,25 +174,29 @@ def main(argv: list[str] | None = None) -> int:
     results = run_all(runs, args)
     rows = {name: [result for run, result in zip(runs, results) if run.name == name and run.ratio == args.intergenic_ratio]
             for name in args.variants}
-    print_table(rows, configs, args)
-    if {"genezip", "hnet"} <= set(args.variants):
-        print_paired(rows["genezip"], rows["hnet"], args.seeds)
+    equal_rate = f"at equal rate (each dynamic model shifted to {args.target_bpt:g} bases per token on the held-out DNA)"
+    for title, key in (("as trained", None), (equal_rate, "matched")):
+        chosen = {name: [result[key] if key else result for result in results] for name, results in rows.items()}
+        print_table(title, chosen, configs, args)
+        if {"genezip", "hnet"} <= set(args.variants):
+            print_paired(chosen["genezip"], chosen["hnet"], args.seeds)
     if "genezip" in args.variants:
         print_sweep(runs, results, args)
     return 0
 
 
-def run_all(runs: list[Run], args: argparse.Namespace) -> list[dict[str, float]]:
+def run_all(runs: list[Run], args: argparse.Namespace) -> list[dict]:
     """Every run's held-out metrics in order, ``args.jobs`` at a time, each printed as it ends."""
     jobs = max(1, min(args.jobs, len(runs)))
     threads = max(1, (os.cpu_count() or 1) // jobs)
 
-    def report(run: Run, result: dict[str, float]) -> None:
+    def report(run: Run, result: dict) -> None:
         print(f"seed {run.seed} {run.name} (ratio {run.ratio:g}): final train {result['train_bits_per_base']:.4f} "
               f"bits/base, held-out {result['bits_per_base']:.4f}, BPT intergenic {result['bpt.intergenic']:.2f} "
               f"coding {result['bpt.coding']:.2f}"
               + (", router bias intergenic {:+.2f} coding {:+.2f}".format(*result["bias"]) if "bias" in result else "")
-              + f", {result['seconds']:.0f} s", flush=True)
+              + f", {result['seconds']:.0f} s; at BPT {args.target_bpt:g} (shift {result['matched']['shift']:+.3f}): "
+              f"held-out {result['matched']['bits_per_base']:.4f}", flush=True)
 
     results = []
     if jobs == 1:
@@ -203,8 +218,9 @@ def spread(values: list[float], digits: int) -> str:
     return f"{mean:.{digits}f}" + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
 
 
-def print_table(rows: dict[str, list[dict[str, float]]], configs: dict[str, GeneZipConfig], args) -> None:
-    print(f"\nheld-out DNA, {len(args.seeds)} seed(s), {args.steps} steps; mean ± std over seeds; BPT achieved (target)")
+def print_table(title: str, rows: dict[str, list[dict[str, float]]], configs: dict[str, GeneZipConfig], args) -> None:
+    print(f"\n{title}: held-out DNA, {len(args.seeds)} seed(s), {args.steps} steps; mean ± std over seeds; "
+          "BPT achieved (target)")
     header = f"{'model':8} {'params':>7} {'bits/base':>17} " + " ".join(f"{'bits ' + r:>17}" for r in REGIONS)
     header += " " + " ".join(f"{'BPT ' + r:>22}" for r in REGIONS) + f" {'BPT':>13} {'floor ok':>9}"
     print(header)
@@ -218,6 +234,9 @@ def print_table(rows: dict[str, list[dict[str, float]]], configs: dict[str, Gene
         fewest = min(r["fewest_per_window"] for r in results)
         line += f" {column('bpt', 2):>13} {'yes' if fewest >= floor else 'NO':>5} ({fewest:.0f})"
         print(line)
+    if "shift" in next(iter(rows.values()))[0]:
+        for name, results in rows.items():
+            print(f"{name}'s log-odds shift per seed: " + ", ".join(f"{r['shift']:+.3f}" for r in results))
     if "genezip" in rows:
         for i, region in enumerate(REGIONS):
             target = float(configs["genezip"].region_targets()[i])

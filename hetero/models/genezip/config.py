@@ -31,7 +31,7 @@ class GeneZipConfig:
     region_bpt: dict[str, float] = field(default_factory=dict)  # Region-Aware Ratio: a target per region
     # The region budget (``regions.py``), on when the region targets differ: classifier width and the
     # controller's gain per step.
-    region_channels: int = 96
+    region_channels: int = 32
     region_gain: float = 0.05
     inner_bpt: float = 2.0  # stage-1 tokens per stage-2 token (stages=2)
     ratio_weight: float = 0.03

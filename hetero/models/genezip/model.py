@@ -172,11 +172,14 @@ class ChunkStage(nn.Module):
             stride = config.stride if self.depth == 0 else int(config.inner_bpt)
             boundary = (torch.arange(h.shape[1], device=h.device) % stride == 0).expand(h.shape[0], -1)
             return Routing(boundary.to(h.dtype), boundary & valid, valid)
-        probability = self.router(h)
+        return self.decide(self.router(h), valid, bias)
+
+    def decide(self, probability: torch.Tensor, valid: torch.Tensor, bias: torch.Tensor | None) -> Routing:
+        """The chunk starts from the router's probabilities, shifted by ``bias`` (log-odds) when given."""
         routing = Routing(probability, self.bound(probability >= 0.5) & valid, valid)
         if bias is None:
             return routing
-        # The region budget's log-odds shift; position 0 always starts a chunk.
+        # Position 0 always starts a chunk.
         shifted = torch.sigmoid(torch.logit(probability[:, 1:].clamp(1e-6, 1 - 1e-6)) + bias[:, 1:])
         shifted = torch.cat([probability[:, :1], shifted], 1)
         return Routing(shifted, self.bound(shifted >= 0.5) & valid, valid, probability, routing.boundary)
@@ -239,18 +242,27 @@ class GeneZip(nn.Module):
                 if isinstance(module, (nn.Linear, nn.Conv1d)):
                     module.reset_parameters()
 
-    def forward(self, bases: torch.Tensor) -> GeneZipOutput:
-        """``bases`` (batch, seq) ids in ``BASES`` order."""
+    def forward(self, bases: torch.Tensor, rate_shift: float = 0.0) -> GeneZipOutput:
+        """``bases`` (batch, seq) ids in ``BASES`` order. ``rate_shift``: log-odds added to every stage-1
+        boundary probability at inference, to compress at another rate (``rate.py`` finds one)."""
         x = self.embedding(bases)
         valid = torch.ones(bases.shape, dtype=torch.bool, device=bases.device)
-        region_logits = bias = None
-        if self.budget is not None:
-            region_logits = self.budget(bases)
-            bias = self.budget.router_bias(region_logits)
+        region_logits, bias = self.stage_one_bias(bases, rate_shift)
         y, routings, (tokens, token_valid) = self.stage(x, valid, bias)
         if self.projector is not None:
             tokens = self.projector(tokens) * token_valid.unsqueeze(-1)
         return GeneZipOutput(self.output(self.norm(y)), routings, tokens, token_valid, region_logits)
+
+    def stage_one_bias(
+        self, bases: torch.Tensor, rate_shift: float = 0.0
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The region budget's coding logits and stage 1's log-odds bias (its bias per called region plus
+        ``rate_shift``); None for either that does not apply."""
+        if self.budget is None:
+            shift = torch.full(bases.shape, rate_shift, device=bases.device) if rate_shift else None
+            return None, shift
+        region_logits = self.budget(bases)
+        return region_logits, self.budget.router_bias(region_logits) + rate_shift
 
 
 def padded_tokens(output: GeneZipOutput, config: GeneZipConfig) -> torch.Tensor:

@@ -125,16 +125,18 @@ def region_nats(output: GeneZipOutput, bases: torch.Tensor, regions: torch.Tenso
 
 
 @torch.no_grad()
-def heldout_metrics(model: GeneZip, batches: Iterable[dict[str, torch.Tensor]]) -> dict[str, float]:
+def heldout_metrics(
+    model: GeneZip, batches: Iterable[dict[str, torch.Tensor]], rate_shift: float = 0.0
+) -> dict[str, float]:
     """Over every batch (``bases``, ``regions``): bits per base of next-base prediction, overall and per
     region (a prediction counts in its target base's region), the achieved bases per token per region and
     overall, and the fewest chunk starts in any full routing window and in any sequence (stage 1).
-    ``model`` routes the raw bases; the region labels only sort the counts."""
+    ``model`` routes the raw bases (at ``rate_shift``, see ``rate.py``); the region labels only sort the counts."""
     nats = torch.zeros(len(REGIONS), dtype=torch.float64, device="cpu")
     bases = torch.zeros(len(REGIONS), dtype=torch.float64, device="cpu")
     counts = None
     for batch in batches:
-        output = model(batch["bases"])
+        output = model(batch["bases"], rate_shift)
         batch_nats, batch_bases = region_nats(output, batch["bases"], batch["regions"])
         nats, bases = nats + batch_nats.cpu(), bases + batch_bases.cpu()
         batch_counts = routing_counts(output.routings[0], batch["regions"], model.config.routing_window)

@@ -66,6 +66,7 @@ class CountingStore(dist.Store):
 
 def startup_requests(rank: int, world: int, path: str) -> tuple[int, list[int]]:
     """(store requests the job's groups and boundaries made here, sizes of the groups this rank joined)."""
+    dist.barrier()  # every rank has finished connecting: a rank that left early would close a peer's connection
     dist.destroy_process_group()  # the harness's world: this test's world counts its store
     store = CountingStore(dist.FileStore(path, world))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -80,6 +81,7 @@ def startup_requests(rank: int, world: int, path: str) -> tuple[int, list[int]]:
                  TensorSpec(3, source=edge.source, destination=edge.destination), timeout_s=60.0)
     made = sum(store.requests.values()) - before
     joined = sorted(len(members) for members in joined_groups())
+    dist.barrier()
     dist.destroy_process_group()  # a plain world again, for the harness's closing barrier
     dist.init_process_group("gloo", init_method=f"file://{path}.closing", rank=rank, world_size=world)
     return made, joined

@@ -167,10 +167,11 @@ class FaultGuard:
         )
         if err is not None and DATA_WORKER in str(err):  # this rank's data worker died, wherever that surfaced
             communication = False
+        detail = ""
         if not communication:
             with contextlib.suppress(Exception):
                 self.store.set(f"{self.prefix}error/{self.rank}", f"{own}: {message}")
-            lines.append("".join(traceback.format_exception(err)).rstrip())
+            detail = "".join(traceback.format_exception(err))
         else:
             recorded = self._recorded_errors()
             if recorded:
@@ -181,4 +182,10 @@ class FaultGuard:
                     f"hetero: {describe_rank(self.placement, peer)} stopped responding (its process died or hangs)"
                     for peer in silent
                 ]
-        print("\n".join(lines), file=sys.stderr, flush=True)
+        # Whole lines in single writes: ranks share the launcher's pipe, and print writes its closing "\n"
+        # separately, so another rank's report could begin in the middle of this one's last line. The
+        # summary stays short enough for one atomic pipe write; the traceback follows in its own.
+        sys.stderr.flush()
+        for text in ("\n".join(lines) + "\n", detail):
+            if text:
+                os.write(sys.stderr.fileno(), text.encode())

@@ -103,6 +103,10 @@ CASES = {
         setter("world_size", 6),
         r"world_size=6 but ranks 4-5 run no module; .* or set world_size=4",
     ),
+    "an odd head width": (
+        setter("llm.model.head_dim", 15),
+        r"llm\.model: each head is 15 wide .* but rotary embeddings turn pairs of channels; make it even",
+    ),
     "heads not divisible by tp": (
         both(setter("llm.layout", {"tp": 4, "dp": 1}), setter("llm.model.num_heads", 2),
              setter("llm.model.hidden_size", 64)),
@@ -360,6 +364,8 @@ def test_video_sink_must_leave_room_in_the_budget():
         ("+dna.model.region_channels=0", r"dna\.model\.region_channels=0 and region_gain=0\.05 must be >= 1 and > 0"),
         ("dna.model.min_boundaries=13", r"dna\.model\.min_boundaries=13 exceeds max_boundaries=12"),
         ("dna.model.routing=fixed", r"dna\.model\.routing=fixed places a token every target_bpt"),
+        ("dna.model.hidden_size=60 dna.model.out_size=64",
+         r"dna\.model: each head is 15 wide \(hidden_size=60 / num_heads=4\), but rotary embeddings turn pairs"),
         ("dna.model.stages=3", r"dna\.model\.stages=3: GeneZip has 1 or 2 chunking stages"),
         ("dna.parallel.sequence_parallel=true", r"dna\.parallel\.sequence_parallel=true: chunking gathers"),
         ("dna.model.out_size=32", r"edges\[1\] \(dna -> llm\): dna hands on width 32 \(dna\.model\.out_size\) but llm\.model\.hidden_size=64; "

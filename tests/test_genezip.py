@@ -1,9 +1,10 @@
 """GeneZip's parts: causal prediction through dynamic chunking (one and two stages, and fixed stride),
 bounded routing, the de-chunker's EMA, the straight-through confidence, the ratio loss's fixed point, the
 compressed tokens it hands on, the region budget (causal calls, reading-frame features, the controller's
-step), and the rate shift that compresses at a chosen rate."""
+step), the rate shift that compresses at a chosen rate, and the bench's H-Net at GeneZip's parameter count."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from hetero.models.genezip.model import (
     straight_through,
 )
 from hetero.bench.dechunk import smooth_chunks_loop, worst_case
+from hetero.bench.genezip import parameter_count, variant_configs
 from hetero.models.genezip.config import GeneZipConfig
 from hetero.models.genezip.objectives import genezip_loss, heldout_metrics, ratio_loss, routing_counts
 from hetero.models.genezip.rate import matched_rate_shift
@@ -295,3 +297,15 @@ def test_controller_moves_both_biases_together_until_the_calls_separate():
     budget.update(statistics([[50, 50], [150, 150]], [[10, 10], [30, 30]]))
     overall = math.log(80 / (100 / 6 + 300 / 3))
     assert torch.allclose(budget.bias, torch.tensor([-overall, -overall]), atol=1e-6)
+
+
+def test_the_bench_widens_hnet_to_genezips_parameter_count():
+    """H-Net gets the width nearest GeneZip's count (its classifier adds parameters), with even heads for RoPE."""
+    base = GeneZipConfig(**SMALL)
+    configs = variant_configs(base, {"coding": 3.0, "intergenic": 6.0}, hnet_hidden=0)
+    target = parameter_count(configs["genezip"])
+    width = configs["hnet"].hidden_size
+    assert width > base.hidden_size and width % (2 * base.num_heads) == 0
+    off = {w: abs(parameter_count(replace(configs["hnet"], hidden_size=w)) - target) for w in (width - 8, width, width + 8)}
+    assert off[width] == min(off.values())
+    assert variant_configs(base, {"coding": 3.0, "intergenic": 6.0}, hnet_hidden=40)["hnet"].hidden_size == 40

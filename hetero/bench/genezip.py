@@ -7,11 +7,12 @@ Data: a bacterial chromosome that ships in pyrodigal's wheel, coding/intergenic 
 calls (``hetero.data.genome``); the last 10% of the chromosome is held out. Its shards are the set of
 ``--window`` bases in ``--data``/window<N>, where ``hetero train`` keeps its own (``train.genome_dir``): a
 set already there is reused, whichever command wrote it. Three models with the same
-blocks, widths, steps, batches and seed, at the same average bases per token (BPT):
+blocks, steps, batches and seed, at the same average bases per token (BPT):
 
 - ``genezip``: dynamic chunking with the Region-Aware Ratio: intergenic DNA aims at ``--intergenic-ratio``
   times the coding target, the two chosen so the training windows average ``--target-bpt``;
-- ``hnet``: dynamic chunking with ``--target-bpt`` everywhere (H-Net's single ratio);
+- ``hnet``: dynamic chunking with ``--target-bpt`` everywhere (H-Net's single ratio), as wide as
+  ``--hnet-hidden``: by default the width nearest GeneZip's parameter count, which its region classifier raises;
 - ``fixed``: a token every ``--target-bpt`` bases (no router).
 
 Annotations enter only GeneZip's training (its ratio loss and its region budget's classifier); evaluation
@@ -48,6 +49,7 @@ from hetero.models.genezip.model import GeneZip
 from hetero.models.genezip.config import GeneZipConfig
 from hetero.models.genezip.objectives import bits_per_base, genezip_loss, heldout_metrics
 from hetero.models.genezip.rate import matched_rate_shift
+from hetero.parallel.layout import Layout
 
 VARIANTS = ("genezip", "hnet", "fixed")
 
@@ -59,12 +61,35 @@ def region_targets(average: float, intergenic_ratio: float, coding_fraction: flo
     return {"intergenic": coding * intergenic_ratio, "coding": coding}
 
 
-def variant_configs(base: GeneZipConfig, targets: dict[str, float]) -> dict[str, GeneZipConfig]:
-    return {
-        "genezip": replace(base, region_bpt=targets),
-        "hnet": replace(base, region_bpt={}),
-        "fixed": replace(base, routing="fixed", region_bpt={}),
-    }
+def variant_configs(base: GeneZipConfig, targets: dict[str, float], hnet_hidden: int) -> dict[str, GeneZipConfig]:
+    """Each variant's config; ``hnet_hidden`` 0 widens H-Net to GeneZip's parameter count (``matched_width``)."""
+    genezip = replace(base, region_bpt=targets)
+    hnet = replace(base, region_bpt={})
+    hnet = replace(hnet, hidden_size=hnet_hidden or matched_width(hnet, parameter_count(genezip)))
+    configs = {"genezip": genezip, "hnet": hnet, "fixed": replace(base, routing="fixed", region_bpt={})}
+    for name, config in configs.items():
+        errors = config.errors(name, Layout(tp=1, cp=1, dp=1, pp=1, ranks=(0,)))
+        if errors:
+            raise ConfigError("; ".join(errors))
+    return configs
+
+
+def parameter_count(config: GeneZipConfig) -> int:
+    return sum(p.numel() for p in GeneZip(config).parameters())
+
+
+def matched_width(config: GeneZipConfig, params: int) -> int:
+    """The hidden width whose parameter count is nearest ``params``, in steps of twice the head count (so each
+    head stays even for the rotary embedding); ties go to the wider model."""
+    step = 2 * config.num_heads
+    width, best = step, None
+    while True:
+        count = parameter_count(replace(config, hidden_size=width))
+        if best is None or abs(count - params) <= abs(best[1] - params):
+            best = (width, count)
+        if count >= params:
+            return best[0]
+        width += step
 
 
 def train(config: GeneZipConfig, data: GenomeWindows, steps: int, lr: float, seed: int) -> tuple[GeneZip, list[float]]:
@@ -135,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routing-window", type=int, default=64)
     parser.add_argument("--min-boundaries", type=int, default=4, help="the routing floor per routing window")
     parser.add_argument("--max-boundaries", type=int, default=0, help="the routing ceiling (0: none)")
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64, help="width of GeneZip and of the fixed-stride model")
+    parser.add_argument("--hnet-hidden", type=int, default=0,
+                        help="H-Net's width (0: the one nearest GeneZip's parameter count)")
     parser.add_argument("--encoder-layers", type=int, default=2, help="per stage, as decoder layers")
     parser.add_argument("--main-layers", type=int, default=2)
     parser.add_argument("--local-window", type=int, default=64)
@@ -165,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         min_boundaries=args.min_boundaries, max_boundaries=args.max_boundaries, region_channels=args.region_channels,
     )
     targets = region_targets(args.target_bpt, args.intergenic_ratio, coding_fraction)
-    configs = variant_configs(base, targets)
+    configs = variant_configs(base, targets, args.hnet_hidden)
     print(f"train coding fraction {coding_fraction:.3f}; GeneZip targets "
-          + ", ".join(f"{k} {v:.2f}" for k, v in targets.items()) + f"; others {args.target_bpt:g} everywhere")
+          + ", ".join(f"{k} {v:.2f}" for k, v in targets.items()) + f"; others {args.target_bpt:g} everywhere; "
+          f"H-Net {configs['hnet'].hidden_size} wide")
     runs = [Run(name, args.intergenic_ratio, seed, configs[name]) for seed in args.seeds for name in args.variants]
     runs += [Run("genezip", ratio, seed, replace(base, region_bpt=region_targets(args.target_bpt, ratio, coding_fraction)))
              for ratio in args.sweep if ratio != args.intergenic_ratio for seed in args.seeds]

@@ -31,7 +31,7 @@ class GeneZipConfig:
     region_bpt: dict[str, float] = field(default_factory=dict)  # Region-Aware Ratio: a target per region
     # The region budget (``regions.py``), on when the region targets differ: classifier width and the
     # controller's gain per step.
-    region_channels: int = 32
+    region_channels: int = 96
     region_gain: float = 0.05
     inner_bpt: float = 2.0  # stage-1 tokens per stage-2 token (stages=2)
     ratio_weight: float = 0.03
@@ -84,6 +84,11 @@ class GeneZipConfig:
             return errors
         if self.hidden_size % self.num_heads:
             errors.append(f"{prefix}.num_heads={self.num_heads} does not divide {prefix}.hidden_size={self.hidden_size}")
+        elif self.hidden_size // self.num_heads % 2:
+            errors.append(
+                f"{prefix}: each head is {self.hidden_size // self.num_heads} wide (hidden_size={self.hidden_size} / "
+                f"num_heads={self.num_heads}), but rotary embeddings turn pairs of channels; make it even"
+            )
         if self.stages not in (1, 2):
             errors.append(f"{prefix}.stages={self.stages}: GeneZip has 1 or 2 chunking stages")
         if self.routing not in ROUTINGS:

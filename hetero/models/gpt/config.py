@@ -97,6 +97,11 @@ class GPTConfig:
                 f"{module}.model.num_heads={self.num_heads} does not divide "
                 f"{module}.model.hidden_size={self.hidden_size}; pick a head count that divides it"
             )
+        elif self.head_size % 2:
+            errors.append(
+                f"{module}.model: each head is {self.head_size} wide (hidden_size={self.hidden_size} / "
+                f"num_heads={self.num_heads}, or head_dim), but rotary embeddings turn pairs of channels; make it even"
+            )
         if self.tie_embeddings and layout.pp > 1:
             errors.append(
                 f"{module}.model.tie_embeddings=true needs the embedding and the output layer on one "

@@ -62,6 +62,11 @@ class OptimizerConfig:
         progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
         return self.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
+    def decay_at(self, step: int) -> float:
+        """Step ``step``'s learning rate as a fraction of ``lr`` once warm-up is over, 1 during it: how far the
+        schedule has annealed (state that a kind steers after each step anneals its own gain by it)."""
+        return 1.0 if step < self.warmup_steps else self.lr_at(step) / self.lr
+
 
 @dataclass
 class CheckpointConfig:

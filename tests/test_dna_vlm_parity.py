@@ -61,7 +61,7 @@ def expected():
 
 def reference(data):
     model = VisionDnaLanguageModel(VISION, DNA, LLM, seed=0)
-    budget_steps = RegionBudgetSteps(model.dna)
+    budget_steps = RegionBudgetSteps(model.dna, OPTIM["dna"])
 
     def losses(batch, step):
         supervised = int((batch["labels"] != -100).sum())

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hetero.config import OptimizerConfig
 from hetero.models.genezip.model import (
     GeneZip,
     Routing,
@@ -256,6 +257,23 @@ def test_controller_moves_each_bias_toward_its_regions_target():
     scaled.update(statistics([[100, 0], [0, 300]], [[25, 0], [0, 100]]) / 7)
     assert torch.allclose(scaled.bias, budget.bias)
     assert {"budget.bias", "budget.counts", "budget.seen", "budget.updates"} <= set(model.state_dict())
+
+
+def test_controller_gain_anneals_with_the_learning_rate_after_warmup():
+    """``decay`` scales the step (full during warm-up, the learning rate's fraction of its peak after it,
+    nothing at 0) while the counts still update."""
+    optim = OptimizerConfig(lr=1e-3, warmup_steps=2, decay_steps=4)
+    assert [optim.decay_at(s) for s in (0, 1, 2)] == [1.0, 1.0, 1.0]
+    assert optim.decay_at(4) == pytest.approx(0.55) and optim.decay_at(6) == pytest.approx(0.1)
+    counts = statistics([[100, 0], [0, 300]], [[25, 0], [0, 100]])
+    steps = {}
+    for decay in (1.0, 0.55, 0.0):
+        budget = GeneZip(budget_config(region_gain=0.1)).budget
+        budget.update(counts, decay)
+        steps[decay] = budget.bias.clone()
+        assert int(budget.updates) == 1 and budget.counts.sum() > 0
+    assert torch.allclose(steps[0.55], 0.55 * steps[1.0]) and steps[1.0][0] != 0
+    assert torch.equal(steps[0.0], torch.zeros(2))
 
 
 def test_controller_undoes_the_calls_mixing():

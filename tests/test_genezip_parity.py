@@ -1,8 +1,9 @@
 """GeneZip under TP, DP and FSDP2 matches one process: 3 AdamW steps through the runtime on real genome
-windows, fp32, one and two chunking stages. Per step the loss (next-base prediction, the Region-Aware
-Ratio loss and the region budget's classifier loss) and its parts and the gradient norm, every replica's
-gradients at the first step (``hetero.testing.parity``), and every rank's region-budget state after the
-last step (its controller updates from the step's counts over the global batch)."""
+windows, fp32, one and two chunking stages, the learning rate decaying. Per step the loss (next-base
+prediction, the Region-Aware Ratio loss and the region budget's classifier loss) and its parts and the
+gradient norm, every replica's gradients at the first step (``hetero.testing.parity``), and every rank's
+region-budget state after the last step (its controller updates from the step's counts over the global
+batch, at a gain that anneals with the learning rate)."""
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_bf16_parity, check_parity, record_reference, record_run
 from hetero.testing.references import RegionBudgetSteps
 
-BATCH, LENGTH, STEPS, LR = 4, 96, 3, 3e-3
+BATCH, LENGTH, STEPS = 4, 96, 3
+OPTIM = OptimizerConfig(lr=3e-3, decay_steps=2)  # the controller's gain anneals with it: 1, 0.55, 0.1
 
 
 def config(stages: int) -> GeneZipConfig:
@@ -68,7 +70,7 @@ def first_routing(model: GeneZip) -> dict[str, torch.Tensor]:
 def reference(stages: int, precision: str = "fp32") -> tuple[Record, dict[str, torch.Tensor]]:
     """The record, the region budget's state after the last step's update and step 1's routing."""
     model = build(stages)
-    budget_steps = RegionBudgetSteps(model)
+    budget_steps = RegionBudgetSteps(model, OPTIM)
     routing = first_routing(model)
 
     def losses(batch, step):
@@ -78,14 +80,14 @@ def reference(stages: int, precision: str = "fp32") -> tuple[Record, dict[str, t
         return [terms.total(model.config).sum() / BATCH, terms.prediction.sum() / BATCH, terms.ratio.sum() / BATCH,
                 terms.region.sum() / BATCH]
 
-    record = record_reference({"dna": model}, {"dna": OptimizerConfig(lr=LR)}, batches(), losses,
+    record = record_reference({"dna": model}, {"dna": OPTIM}, batches(), losses,
                               before_step=budget_steps, precision=precision)
     budget_steps()
     return record, {name: b.clone() for name, b in model.budget.named_buffers()}, routing
 
 
 def run(rank, world_size, layout, options, stages, microbatches=1):
-    blocks = {"dna": module("genezip", config(stages), layout, OptimizerConfig(lr=LR), options)}
+    blocks = {"dna": module("genezip", config(stages), layout, OPTIM, options)}
     runtime = build_runtime(experiment(world_size, blocks, global_batch=BATCH, microbatches=microbatches))
     load_weights(runtime, "dna", build(stages).state_dict())
     routing = first_routing(runtime.modules["dna"].model)

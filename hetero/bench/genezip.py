@@ -96,9 +96,11 @@ def train(config: GeneZipConfig, data: GenomeWindows, steps: int, lr: float, see
     torch.manual_seed(seed)
     model = GeneZip(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.1)
+    warmup = 0.1 * steps
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=warmup / steps)
     losses = []
     for step in range(steps):
+        decay = 1.0 if step < warmup else schedule.get_last_lr()[0] / lr  # as OptimizerConfig.decay_at
         batch = data.batch(step)
         output = model(batch["bases"])
         loss = genezip_loss(config, output, batch["bases"], batch["regions"])
@@ -108,7 +110,8 @@ def train(config: GeneZipConfig, data: GenomeWindows, steps: int, lr: float, see
         optimizer.step()
         schedule.step()
         if model.budget is not None:
-            model.budget.update(model.budget.statistics(output.region_logits, output.routings[0].boundary, batch["regions"]))
+            statistics = model.budget.statistics(output.region_logits, output.routings[0].boundary, batch["regions"])
+            model.budget.update(statistics, decay)
         losses.append(float(loss.prediction.detach().mean()))
     return model, losses
 

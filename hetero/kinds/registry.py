@@ -232,10 +232,10 @@ class Kind:
         runtime reduces them with the loss parts over the global batch, and does not log them."""
         return ()
 
-    def after_step(self, model: nn.Module, config: Any, statistics: dict[str, float]) -> None:
+    def after_step(self, model: nn.Module, config: Any, statistics: dict[str, float], decay: float) -> None:
         """Called after the module's optimizer step on every rank that holds it, with the step's
-        ``step_statistics`` per row of the global batch (the same on every rank): the place for state
-        that a step's totals set."""
+        ``step_statistics`` per row of the global batch (the same on every rank) and how far its learning
+        rate has annealed (``OptimizerConfig.decay_at``): the place for state that a step's totals set."""
 
     def metric_names(self, config: Any, available: Iterable[str]) -> list[tuple[str, str]]:
         """(name, reduce) of each evaluation metric ``stage`` reports for a batch with columns ``available``."""

@@ -143,7 +143,8 @@ class Runtime:
                     module.step(self.step)
                     node = self.graph.nodes[name]
                     if node.kind.step_statistics(node.config):
-                        node.kind.after_step(module.model, node.config, statistics[name])
+                        decay = node.settings.optim.decay_at(self.step)
+                        node.kind.after_step(module.model, node.config, statistics[name], decay)
         self.step += 1
         return metrics | {"grad_norm": grad_norm, "stepped": float(math.isfinite(grad_norm))}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hetero.config import OptimizerConfig
 from hetero.models.genezip.model import GeneZip, GeneZipOutput, padded_tokens
 from hetero.models.genezip.config import GeneZipConfig
 from hetero.models.gpt.model import GPT
@@ -59,10 +60,11 @@ class VisionDnaLanguageModel(nn.Module):
 class RegionBudgetSteps:
     """A one-process reference's side of GeneZip's region budget: ``record`` each forward's counts, and
     pass the object as ``record_reference``'s ``before_step`` (then call it once more after the last step)
-    to update the budget after every optimizer step from that step's counts, as the runtime does."""
+    to update the budget after every optimizer step from that step's counts at the step's ``decay_at``, as
+    the runtime does."""
 
-    def __init__(self, model: GeneZip):
-        self.model, self.pending = model, []
+    def __init__(self, model: GeneZip, optim: OptimizerConfig):
+        self.model, self.optim, self.pending, self.calls = model, optim, [], 0
 
     def record(self, output: GeneZipOutput, regions: torch.Tensor) -> None:
         if self.model.budget is not None:
@@ -70,5 +72,7 @@ class RegionBudgetSteps:
 
     def __call__(self, step: int | None = None) -> None:
         if self.pending:
-            self.model.budget.update(torch.stack(self.pending).sum(0))
+            finished = self.calls - 1  # the first call comes before step 0
+            self.model.budget.update(torch.stack(self.pending).sum(0), self.optim.decay_at(finished))
             self.pending = []
+        self.calls += 1

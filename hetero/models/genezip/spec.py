@@ -56,8 +56,8 @@ class GeneZipKind(Kind):
     def step_statistics(self, config: GeneZipConfig) -> tuple[str, ...]:
         return STATISTICS if config.region_budget() else ()
 
-    def after_step(self, model: GeneZip, config: GeneZipConfig, statistics: dict[str, float]) -> None:
-        model.budget.update(torch.tensor([statistics[name] for name in STATISTICS], dtype=torch.float64))
+    def after_step(self, model: GeneZip, config: GeneZipConfig, statistics: dict[str, float], decay: float) -> None:
+        model.budget.update(torch.tensor([statistics[name] for name in STATISTICS], dtype=torch.float64), decay)
 
     def metric_names(self, config: GeneZipConfig, available) -> list[tuple[str, str]]:
         names = ["bits_per_base", *(f"bits.{r}" for r in REGIONS), *(f"bpt.{r}" for r in REGIONS), "bpt"]

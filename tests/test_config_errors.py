@@ -107,6 +107,10 @@ CASES = {
         setter("llm.model.head_dim", 15),
         r"llm\.model: each head is 15 wide .* but rotary embeddings turn pairs of channels; make it even",
     ),
+    "an unknown gpt backend": (
+        setter("llm.model.backend", "te"),
+        r"llm\.model\.backend='te' is not one of native, megatron",
+    ),
     "heads not divisible by tp": (
         both(setter("llm.layout", {"tp": 4, "dp": 1}), setter("llm.model.num_heads", 2),
              setter("llm.model.hidden_size", 64)),

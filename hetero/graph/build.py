@@ -45,7 +45,7 @@ def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = No
         errors += node.kind.errors(node.name, node.config, node.layout, node.options)
         errors += node.options.errors(node.name)
         errors += node.settings.compression.errors(node.name, node.layout.cp, node.options.fsdp)
-        errors += _expert_errors(node)
+        errors += _expert_errors(node) + _megatron_errors(node)
         width = getattr(node.config, "hidden_size", 0)
         errors += node.settings.compression.pipeline.errors(f"{node.name}.compression.pipeline", experiment.train.sample_reuse, width)
     errors += _batch_errors(experiment, placement)
@@ -174,6 +174,15 @@ def _batch_errors(experiment: ExperimentConfig, placement) -> list[str]:
             f"set each module's micro_batch_size so that global_batch_size/(dp*micro_batch_size) agree"
         )
     return errors
+
+
+def _megatron_errors(node: Node) -> list[str]:
+    """A module on the gpt kind's megatron backend freezes all of itself or nothing: megatron-core fuses
+    q, k and v and the gate and up projections, which native-named globs could split."""
+    if getattr(node.config, "backend", "native") != "megatron" or list(node.settings.frozen) in ([], ["*"]):
+        return []
+    return [f"{node.name}.frozen={list(node.settings.frozen)}: a megatron-backend module freezes all of itself "
+            f"(frozen: ['*']) or nothing; use backend=native to freeze parts"]
 
 
 def _train_errors(experiment: ExperimentConfig) -> list[str]:

@@ -10,7 +10,7 @@ Needs the ``hf`` extra (``safetensors``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,15 +108,15 @@ class HFExport:
     carried: dict[str, str] = field(default_factory=dict)
 
 
-def load_into(model: torch.nn.Module, checkpoint: HFCheckpoint, hf_name) -> int:
-    """Copy into every weight of ``model`` (materialized, e.g. after ``to_empty``) the slice of checkpoint
-    tensor ``hf_name(name)`` that this rank holds: a DTensor's local shard, a plain tensor whole. A
-    weight ``hf_name`` maps to None (an output layer tied to the embedding) is skipped. Returns the
-    bytes read."""
+def load_into(tensors: Mapping[str, torch.Tensor], checkpoint: HFCheckpoint, hf_name) -> int:
+    """Copy into every tensor of ``tensors`` (a model's ``state_dict(keep_vars=True)``, materialized,
+    e.g. after ``to_empty``) the slice of checkpoint tensor ``hf_name(name)`` that this rank holds: a
+    DTensor's local shard, a plain tensor whole. A weight ``hf_name`` maps to None (an output layer tied to
+    the embedding) is skipped. Returns the bytes read."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in tensors.items():
         hf = hf_name(name.replace("._checkpoint_wrapped_module", ""))
         if hf is None:
             continue

@@ -61,9 +61,11 @@ def write_stages(runtime, module: str, export: HFExport, source: HFCheckpoint | 
     state = runtime.modules.get(module)
     if state is not None:
         coord = state.mesh.coord
-        # the same order on every rank of the stage
+        # the same order on every rank of the stage; another implementation's weights under native names
+        model = state.model
+        weights = model.weights_state() if hasattr(model, "weights_state") else model.state_dict()
         whole = hf_tensors(export, source, ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
-                                            for name, tensor in state.model.state_dict().items()))
+                                            for name, tensor in weights.items()))
         if coord.tp == coord.cp == coord.dp == 0:
             if coord.pp == 0 and source is not None:
                 whole |= {name: source.tensor(carried) for name, carried in export.carried.items()}

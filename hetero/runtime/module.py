@@ -93,12 +93,20 @@ class ModuleState:
     def settle_grads(self) -> None:
         """After the step's backwards: zeros where a parameter got no gradient (a replica that saw no rows
         still takes part in the sync), and partial sums reduced over TP (sequence parallelism leaves the
-        norms' weights with a ``Partial`` gradient, whose local part is not the gradient)."""
+        norms' weights with a ``Partial`` gradient, whose local part is not the gradient; a plain
+        parameter says so with ``partial_over_tp``)."""
+        partial = []
         for param in self.trained:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            elif getattr(param, "partial_over_tp", False):
+                partial.append(param.grad)
             else:
                 settle_partial(param)
+        if partial:
+            flat = torch.cat([grad.flatten() for grad in partial])
+            dist.all_reduce(flat, group=self.mesh.group("tp"))
+            torch._foreach_copy_(partial, [part.view_as(grad) for part, grad in zip(flat.split([g.numel() for g in partial]), partial)])
 
     def local_squares(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sums of squared gradients this rank holds (no collectives): of TP-sharded parameters, of
@@ -187,7 +195,10 @@ def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _norm_group(param: nn.Parameter) -> int:
-    """Which of ``local_squares``' sums a settled gradient goes to: 0 TP-sharded, 1 EP-sharded, 2 replicated."""
+    """Which of ``local_squares``' sums a settled gradient goes to: 0 TP-sharded (a DTensor's ``Shard`` or
+    megatron-core's ``tensor_model_parallel`` mark), 1 EP-sharded, 2 replicated."""
+    if getattr(param, "tensor_model_parallel", False):
+        return 0
     placements = param.grad.placements if isinstance(param.grad, DTensor) else ()
     if not any(isinstance(p, Shard) for p in placements):
         return 2

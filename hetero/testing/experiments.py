@@ -59,17 +59,25 @@ def module_grads(runtime: Runtime) -> dict[str, torch.Tensor]:
     """Every gradient of this rank's modules, whole, named ``<module>.<parameter>`` as a single-process
     model names it (activation checkpointing's wrapper dropped). ``full_tensor()`` is collective over TP
     (and FSDP's shards): every rank of a module calls this."""
-    grads = {}
+    grads: dict[str, torch.Tensor] = {}
     for name, state in runtime.modules.items():
+        own = {}
         for pname, p in state.model.named_parameters():
             if not p.requires_grad:  # frozen
                 continue
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            grads[f"{name}.{pname.replace('_checkpoint_wrapped_module.', '')}"] = g.detach().clone()
+            own[pname.replace('_checkpoint_wrapped_module.', '')] = g.detach().clone()
+        if hasattr(state.model, "native"):  # another implementation's names and shards (megatron-core's)
+            own = state.model.native(own)
+        grads |= {f"{name}.{pname}": g for pname, g in own.items()}
     return grads
 
 
 def load_weights(runtime: Runtime, name: str, state: dict[str, torch.Tensor]) -> None:
     """Give module ``name`` the weights of a single-process model's ``state_dict()`` (whole tensors on
     every rank; each rank keeps its shard). Every rank of the module calls this."""
-    set_model_state_dict(runtime.modules[name].model, state, options=StateDictOptions(full_state_dict=True))
+    model = runtime.modules[name].model
+    if hasattr(model, "load_native"):  # another implementation's names and shards (megatron-core's)
+        model.load_native(state)
+    else:
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))

@@ -142,6 +142,9 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 def _module_state(modules: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]]) -> dict[str, Any]:
     state = {}
     for name, (model, optimizer) in modules.items():
+        if hasattr(model, "checkpoint_state"):  # another implementation, kept under native names (megatron's)
+            state[name] = model.checkpoint_state(optimizer)
+            continue
         if optimizer is None:  # nothing of it trains: its weights alone
             state[name] = {"model": get_model_state_dict(model, options=_OPTIONS)}
             continue
@@ -244,6 +247,9 @@ class Checkpointer:
         fresh = _without_saved_optimizer(state, path)
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
         for name, (model, optimizer) in modules.items():
+            if hasattr(model, "load_checkpoint_state"):
+                model.load_checkpoint_state(state[name], optimizer)
+                continue
             if "optimizer" not in state[name]:
                 set_model_state_dict(model, state[name]["model"], options=_OPTIONS)
                 continue
@@ -288,7 +294,11 @@ def load_module_weights(modules: dict[str, tuple[nn.Module, Any]], sources: dict
     collectively, also by ranks that take nothing from it), resharded to this run's layouts."""
     for path in sorted(set(sources.values())):
         wanted = {name: model for name, (model, _) in modules.items() if sources.get(name) == path}
-        state = {name: {"model": get_model_state_dict(model, options=_OPTIONS)} for name, model in wanted.items()}
+        state = {name: {"model": model.weights_state() if hasattr(model, "weights_state")
+                        else get_model_state_dict(model, options=_OPTIONS)} for name, model in wanted.items()}
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
         for name, model in wanted.items():
-            set_model_state_dict(model, state[name]["model"], options=_OPTIONS)
+            if hasattr(model, "load_weights_state"):
+                model.load_weights_state(state[name]["model"])
+            else:
+                set_model_state_dict(model, state[name]["model"], options=_OPTIONS)

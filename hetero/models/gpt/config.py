@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from hetero.kinds.layout_checks import shape_errors, transformer_layout_errors
@@ -11,6 +12,7 @@ from hetero.parallel.options import ParallelOptions
 
 ROPE_SCALINGS = ("none", "llama3", "yarn")
 GATES = ("softmax", "sigmoid")
+BACKENDS = ("native", "megatron")  # the model code: hetero's own, or megatron-core's GPTModel (``megatron.py``)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class GPTConfig:
     balance_loss: float = 0.0  # coefficient of the per-row load-balancing loss
     router_z_loss: float = 0.0  # coefficient of the router z-loss (logsumexp of the logits, squared)
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most ceil(factor·tokens·top_k/experts)
+    backend: str = "native"  # one of BACKENDS
 
     @property
     def kv_heads(self) -> int:
@@ -112,7 +115,7 @@ class GPTConfig:
                 f"{module}.model.num_kv_heads={self.kv_heads} does not divide "
                 f"{module}.model.num_heads={self.num_heads}"
             )
-        errors += self._moe_errors(module, layout, options)
+        errors += self._moe_errors(module, layout, options) + self._backend_errors(module, layout, options)
         return errors + transformer_layout_errors(
             module,
             layout,
@@ -150,4 +153,28 @@ class GPTConfig:
         if options is not None and options.fsdp and (layout.ep > 1 or layout.tp > 1):
             errors.append(f"{module}.parallel.fsdp=true with experts runs at ep=1 and tp=1 (got ep={layout.ep}, "
                           f"tp={layout.tp}); turn fsdp off or set ep=1 and tp=1")
+        return errors
+
+    def _backend_errors(self, module: str, layout: Layout, options: ParallelOptions | None) -> list[str]:
+        """What the chosen backend cannot run; the megatron backend's refusals."""
+        if self.backend not in BACKENDS:
+            return [f"{module}.model.backend={self.backend!r} is not one of {', '.join(BACKENDS)}"]
+        if self.backend == "native":
+            return []
+        where = f"{module}.model.backend=megatron"
+        errors = []
+        if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+            errors.append(f"{where} needs megatron-core: pip install -e '.[megatron]' (megatron-core 0.16.1)")
+        if layout.cp > 1:
+            errors.append(f"{where} does not run context parallelism ({module}.layout.cp={layout.cp}): "
+                          "megatron-core's CP attention needs TransformerEngine; use backend=native for cp > 1")
+        if self.moe:
+            errors.append(f"{where} does not run experts yet ({module}.model.num_experts={self.num_experts})")
+        if self.rope_scaling.type == "yarn":
+            errors.append(f"{where} does not scale RoPE by yarn (its attention factor scales cos and sin, which "
+                          "megatron-core's rotary takes from its own yarn settings); use llama3 scaling or backend=native")
+        if options is not None and options.fsdp:
+            errors.append(f"{where} does not shard with FSDP2 ({module}.parallel.fsdp=true); use dp replicas")
+        if options is not None and options.activation_checkpointing:
+            errors.append(f"{where} does not checkpoint activations yet ({module}.parallel.activation_checkpointing=true)")
         return errors

@@ -240,4 +240,9 @@ def load_gpt(model, path: str | Path) -> int:
     (a decoder, or a whole LLaVA's LM), each rank reading only the slices it holds; the bytes read."""
     from hetero.interop.llava import open_part
 
-    return load_into(model, open_part(path, "text"), weight_names(model.config))
+    if hasattr(model, "weights_state"):  # the megatron backend: read into its native view, then back
+        view = model.weights_state()
+        read = load_into(view, open_part(path, "text"), weight_names(model.config))
+        model.load_weights_state(view)
+        return read
+    return load_into(model.state_dict(keep_vars=True), open_part(path, "text"), weight_names(model.config))

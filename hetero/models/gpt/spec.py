@@ -21,6 +21,7 @@ their absolute positions); under TP the loss is computed vocab-parallel (``loss_
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import ContextManager
 
 import torch
@@ -32,6 +33,7 @@ from hetero.data.digits import IGNORE_INDEX
 from hetero.errors import ConfigError
 from hetero.kernels.documents import Documents, document_errors
 from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.megatron import MegatronGPT
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.moe import MoEFeedForward
 from hetero.models.gpt.plan import parallelize_gpt
@@ -63,6 +65,10 @@ class GPTKind(Kind):
         return AUX_PARTS if config.moe else ()
 
     def parallelize(self, model, mesh, options):
+        if model.config.backend == "megatron":
+            from hetero.models.gpt.megatron import to_megatron
+
+            return to_megatron(model, mesh, options)
         return parallelize_gpt(model, mesh, options)
 
     def pretrained_config(self, module, path, fields):
@@ -70,8 +76,9 @@ class GPTKind(Kind):
         from hetero.models.gpt.hf import check_weights, gpt_config
 
         checkpoint = open_part(path, "text")
-        config = gpt_config(checkpoint.config, fields.get("seq_len"), module)
-        self.check_given(module, config, fields, {"seq_len"})
+        config = replace(gpt_config(checkpoint.config, fields.get("seq_len"), module),
+                         backend=fields.get("backend", "native"))
+        self.check_given(module, config, fields, {"seq_len", "backend"})
         check_weights(checkpoint, config, module)
         return config
 
@@ -148,7 +155,7 @@ class GPTKind(Kind):
         return (rows, seq, config.hidden_size)
 
     def compute(self, mesh: ModuleMesh) -> ContextManager:
-        return loss_parallel() if mesh.layout.tp > 1 else contextlib.nullcontext()
+        return loss_parallel() if mesh.layout.tp > 1 else contextlib.nullcontext()  # native: DTensor logits
 
     def stage(self, model: GPT, step: StageStep) -> StageResult:
         mesh, data = step.mesh, step.data
@@ -176,9 +183,13 @@ class GPTKind(Kind):
                                aux_scale=aux_scale)
         if isinstance(hidden, DTensor):  # sequence parallelism: this rank's part of the sequence
             hidden = hidden.to_local()
-        result = StageResult(outputs={"hidden": hidden}, loss=token_loss_sum(logits, labels),
-                             parts=_aux_parts(model, report, step))
-        if not step.training:
+        loss = model.token_loss_sum(logits, labels) if isinstance(model, MegatronGPT) else token_loss_sum(logits, labels)
+        result = StageResult(outputs={"hidden": hidden}, loss=loss, parts=_aux_parts(model, report, step))
+        if not step.training and self.evaluation_keys(data):
+            if isinstance(logits, DTensor):  # TP collectives
+                logits = logits.full_tensor()
+            elif isinstance(model, MegatronGPT):
+                logits = model.whole_vocabulary(logits)
             for key in self.evaluation_keys(data):
                 result.metrics[key.removesuffix("_position") + "_accuracy"] = _position_accuracy(
                     logits, labels, data[key], held, seq_len
@@ -205,12 +216,11 @@ def _position_accuracy(
     logits: torch.Tensor, labels: torch.Tensor, wanted: torch.Tensor, local: torch.Tensor, seq_len: int
 ) -> Metric:
     """Next-token accuracy at one position per row (``wanted``, global; -1 or an unsupervised label: not
-    evaluated), counted on the rank whose sequence chunk holds it."""
-    full = logits.full_tensor() if isinstance(logits, DTensor) else logits  # a TP collective
+    evaluated) from the whole vocabulary's ``logits``, counted on the rank whose sequence chunk holds it."""
     where = torch.full((seq_len,), -1, dtype=torch.long, device=local.device)
     where[local] = torch.arange(len(local), device=local.device)
     index = where[wanted.clamp(min=0)]
     rows = torch.nonzero((wanted >= 0) & (index >= 0)).flatten()
     rows = rows[labels[rows, index[rows]] != IGNORE_INDEX]
-    hits = (full[rows, index[rows]].argmax(-1) == labels[rows, index[rows]]).sum()
+    hits = (logits[rows, index[rows]].argmax(-1) == labels[rows, index[rows]]).sum()
     return Metric(hits.double(), torch.tensor(float(len(rows)), dtype=torch.float64, device=local.device))

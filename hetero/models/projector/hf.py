@@ -35,7 +35,7 @@ def projector_config(part, fields: dict, module: str = "projector") -> Projector
 def load_projector(model, path: str | Path) -> int:
     from hetero.interop.llava import open_part
 
-    return load_into(model, open_part(path, "projector"), NAMES.get)
+    return load_into(model.state_dict(keep_vars=True), open_part(path, "projector"), NAMES.get)
 
 
 def projector_export(source) -> HFExport:

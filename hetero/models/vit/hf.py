@@ -156,7 +156,7 @@ def load_vit(model, path: str | Path) -> int:
 
     checkpoint = open_part(path, "vision")
     prefix = prefix_of(checkpoint)
-    return load_into(model, checkpoint, lambda name: prefix + hf_name(name))
+    return load_into(model.state_dict(keep_vars=True), checkpoint, lambda name: prefix + hf_name(name))
 
 
 def vit_export(config: ViTConfig, source: HFCheckpoint | None) -> HFExport:

@@ -1,0 +1,217 @@
+"""The gpt kind's megatron backend (megatron-core's GPTModel) matches the native GPT in one process on the
+same weights: losses and gradient norms for 4 AdamW steps, every replica's step-1 gradients under native
+names (``hetero.testing.parity``), fp32, alone (``test_gpt_parity``'s model, data and reference) and as
+the LLM of a VLM behind a boundary (``test_vlm_parity``'s). Skipped without the ``megatron`` extra;
+megatron-core runs on CPU under ``hetero.testing.megatron_cpu``."""
+
+import functools
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from hetero.config import CheckpointConfig, OptimizerConfig  # noqa: E402
+from hetero.errors import ConfigError  # noqa: E402
+from hetero.graph.build import build_graph  # noqa: E402
+from hetero.interop.hf_checkpoint import HFCheckpoint  # noqa: E402
+from hetero.interop.hf_export import export_hf  # noqa: E402
+from hetero.models.gpt.config import GPTConfig  # noqa: E402
+from hetero.models.gpt.megatron_names import megatron_shards, native_tensors  # noqa: E402
+from hetero.models.gpt.model import GPT  # noqa: E402
+from hetero.parallel.options import ParallelOptions  # noqa: E402
+from hetero.runtime import build_runtime  # noqa: E402
+from hetero.testing.experiments import experiment, module  # noqa: E402
+from hetero.testing.megatron_cpu import megatron_on_cpu  # noqa: E402
+from hetero.testing.multiprocess import run_ranks  # noqa: E402
+from hetero.testing.parity import check_parity, record_run  # noqa: E402
+from hetero.train.checkpoint import Checkpointer  # noqa: E402
+from hetero.train.job import run_identity  # noqa: E402
+import test_hf_import as hf_import  # noqa: E402
+import test_packed_parity as packed  # noqa: E402
+import test_vlm_parity as vlm  # noqa: E402
+from test_gpt_parity import CONFIG, GLOBAL_BATCH, LR, MICROBATCHES, SEED, batches, reference  # noqa: E402
+
+MEGATRON = replace(CONFIG, backend="megatron")
+QWEN_LIKE = replace(CONFIG, qk_norm=True, qkv_bias=True)  # per-head q/k norms: gradients summed over TP
+CASES = {  # name: (model, layout, parallel options)
+    "tp1": (CONFIG, {}, ParallelOptions()),
+    "tp2": (CONFIG, {"tp": 2}, ParallelOptions()),
+    "tp2+sp": (CONFIG, {"tp": 2}, ParallelOptions(sequence_parallel=True)),
+    "tp2+sp, q/k norms and biases": (QWEN_LIKE, {"tp": 2}, ParallelOptions(sequence_parallel=True)),
+    "pp2": (CONFIG, {"pp": 2}, ParallelOptions()),
+    "dp2": (CONFIG, {"dp": 2}, ParallelOptions()),
+}
+VLM_CASES = {  # name: (layouts, world size); the llm on the megatron backend
+    "colocated vision dp2, llm tp2": ({"vision": {"dp": 2}, "llm": {"tp": 2}}, 2),
+    "non-colocated vision dp2 (0-1), llm tp2 (2-3)": ({"vision": {"dp": 2}, "llm": {"tp": 2, "offset": 2}}, 4),
+}
+VLM_BATCH, VLM_MICROBATCHES = 8, 2
+
+
+def world_size_of(layout: dict) -> int:
+    return layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+
+
+def train_cases(rank, world_size, cases):
+    results = {}
+    with megatron_on_cpu():
+        for key, config, layout, options in cases:
+            blocks = {"llm": module("gpt", replace(config, backend="megatron"), layout, OptimizerConfig(lr=LR), options)}
+            runtime = build_runtime(experiment(world_size, blocks, global_batch=GLOBAL_BATCH,
+                                               microbatches=MICROBATCHES, seed=SEED))
+            results[key] = record_run(runtime, batches(config))
+    return results
+
+
+@functools.cache
+def results(world_size: int) -> dict:
+    cases = [(key, *case) for key, case in CASES.items() if world_size_of(case[1]) == world_size]
+    ranks = run_ranks(train_cases, world_size, cases, timeout_s=300)
+    return {key: [by_key[key] for by_key in ranks] for key, *_ in cases}
+
+
+@pytest.mark.parametrize("key", list(CASES))
+def test_megatron_backend_matches_the_native_gpt(key):
+    config, layout, _ = CASES[key]
+    got = results(world_size_of(layout))[key]
+    print("\n" + check_parity(got, reference(config), f"megatron backend {key}"))
+
+
+def train_vlm(rank, world_size, layouts):
+    modules = {name: module(kind, config, layouts[name], vlm.OPTIM[name])
+               for name, kind, config in (("vision", "vit", vlm.VISION), ("llm", "gpt", replace(vlm.LLM, backend="megatron")))}
+    with megatron_on_cpu():
+        runtime = build_runtime(experiment(world_size, modules, edges=[("vision", "llm")], global_batch=VLM_BATCH,
+                                           microbatches=VLM_MICROBATCHES, grad_clip=vlm.CLIP))
+        return record_run(runtime, vlm.batches(VLM_BATCH)[:vlm.STEPS])
+
+
+@pytest.mark.parametrize("key", list(VLM_CASES))
+def test_a_vlm_with_a_megatron_llm_matches_one_process(key):
+    """vision (native ViT) -> llm (megatron-core) through a boundary, against the native VLM in one process."""
+    layouts, world_size = VLM_CASES[key]
+    got = run_ranks(train_vlm, world_size, layouts, timeout_s=300)
+    print("\n" + check_parity(got, vlm.reference(VLM_BATCH), f"megatron VLM {key}"))
+
+
+def train_packed(rank, world_size):
+    blocks = {"llm": module("gpt", replace(packed.LLM, backend="megatron"), {"tp": 2}, packed.OPTIM["llm"],
+                            ParallelOptions(sequence_parallel=True))}
+    with megatron_on_cpu():
+        runtime = build_runtime(experiment(world_size, blocks, global_batch=packed.ROWS,
+                                           microbatches=packed.MICROBATCHES, seed=packed.SEED))
+        return record_run(runtime, packed.text_batches())
+
+
+def test_packed_rows_on_the_megatron_backend_match_each_document_run_alone():
+    """tp2+sp on rows of several documents (attention kept inside each, RoPE restarting per document)
+    against ``test_packed_parity``'s reference, which runs every document on its own."""
+    got = run_ranks(train_packed, 2, timeout_s=300)
+    print("\n" + check_parity(got, packed.gpt_reference(), "megatron backend tp2+sp, packed rows"))
+
+
+def resumed(rank, world_size, saved_as, resumed_as, directory):
+    """3 steps under ``saved_as`` (backend, layout), a checkpoint (``Checkpointer``: weights and AdamW
+    state through DCP), 2 more steps; then a fresh runtime under ``resumed_as`` loads the checkpoint and
+    takes the same 2 steps. Both runs' losses of steps 4 and 5."""
+    data = batches(steps=5)
+
+    def runtime(backend, layout):
+        blocks = {"llm": module("gpt", replace(CONFIG, backend=backend), layout, OptimizerConfig(lr=LR))}
+        config = experiment(world_size, blocks, global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES, seed=SEED)
+        return config, build_runtime(config)
+
+    with megatron_on_cpu():
+        config, first = runtime(*saved_as)
+        saver = Checkpointer(CheckpointConfig(every=1), Path(directory), run_identity(config, first.graph))
+        for batch in data[:3]:
+            first.train_step(batch)
+        saver.save(first, 3)
+        saver.close()
+        straight = [first.train_step(batch)["loss"] for batch in data[3:]]
+        _, second = runtime(*resumed_as)
+        assert saver.load(second, Path(directory) / "step_000003", same_local=False) == 3
+        return straight, [second.train_step(batch)["loss"] for batch in data[3:]]
+
+
+@pytest.mark.parametrize("saved_as,resumed_as", [
+    (("megatron", {"tp": 2}), ("native", {"tp": 2})),
+    (("native", {"dp": 2}), ("megatron", {"tp": 2})),
+    (("megatron", {"pp": 2}), ("megatron", {"tp": 2})),
+], ids=["megatron tp2 -> native tp2", "native dp2 -> megatron tp2", "megatron pp2 -> megatron tp2"])
+def test_a_checkpoint_moves_between_backends_and_layouts(tmp_path, saved_as, resumed_as):
+    """Checkpoints keep the native names and TP placements, so the weights and AdamW moments reload in
+    either backend under any layout: the resumed run's next losses are the uninterrupted run's."""
+    for straight, again in run_ranks(resumed, 2, saved_as, resumed_as, tmp_path, timeout_s=300):
+        assert all(abs(a - b) / b < 1e-5 for a, b in zip(again, straight)), (again, straight)
+
+
+HF_CASES = {  # test_hf_import's checkpoints that the backend runs (it refuses yarn's scaling)
+    "qwen2: biases on q, k, v": ("Qwen2Config", "Qwen2ForCausalLM",
+                                 dict(num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "llama 3: GQA, llama3 scaling, tied embeddings": hf_import.CASES[hf_import.LLAMA],
+}
+
+
+def imported(rank, world_size, source, tokens, out):
+    """``llm.init.hf`` into the megatron backend at tp2: its logits on ``tokens`` (every rank, whole
+    vocabulary) and, untrained, ``export_hf`` to ``out``."""
+    block = module("gpt", {"seq_len": tokens.shape[1], "backend": "megatron"}, {"tp": 2}, init={"hf": str(source)})
+    with megatron_on_cpu():
+        runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=len(tokens), microbatches=1))
+        model = runtime.modules["llm"].model
+        with torch.no_grad():
+            logits = model.whole_vocabulary(model.eval()(tokens))
+        export_hf(runtime, "llm", out)
+    return logits
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_a_hugging_face_checkpoint_imports_into_the_megatron_backend_and_exports_bit_for_bit(tmp_path, case):
+    reference = hf_import.saved(tmp_path / "source", *HF_CASES[case], shard=True)
+    tokens = torch.randint(0, hf_import.SIZES["vocab_size"], (4, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    for logits in run_ranks(imported, 2, tmp_path / "source", tokens, tmp_path / "out", timeout_s=300):
+        error = ((logits - expected).abs().max() / expected.abs().max()).item()
+        print(f"\n{case}: logits relative error {error:.1e}")
+        assert error < 1e-5
+    source, exported = HFCheckpoint(tmp_path / "source"), HFCheckpoint(tmp_path / "out")
+    assert exported.config == source.config and sorted(exported.names()) == sorted(source.names())
+    for name in source.names():
+        assert torch.equal(exported.tensor(name), source.tensor(name)), name
+
+
+def test_the_name_map_round_trips_every_weight_of_every_shard():
+    """Native -> megatron-core shards (tp 2, each stage of pp 2, q/k/v biases and norms) -> native gives
+    back every tensor, bit for bit."""
+    config = replace(MEGATRON, qkv_bias=True, qk_norm=True)
+    native = GPT(config).state_dict()
+    for layers, top in ((range(0, 2), "tok_embeddings.weight"), (range(2, 4), "output.weight")):
+        shards = [megatron_shards(native, config, layers, 2, rank) for rank in range(2)]
+        held = {name: [shard[name] for shard in shards] for name in shards[0]}
+        back = native_tensors({name: parts[0] for name, parts in held.items()}, config, layers,
+                              lambda value: next(parts for parts in held.values() if parts[0] is value))
+        want = {name for name in native if name.startswith(tuple(f"layers.{i}." for i in layers))}
+        assert want | {top} <= set(back)
+        for name, value in back.items():
+            assert torch.equal(value, native[name]), name
+
+
+def test_the_megatron_backend_refuses_what_it_does_not_run():
+    def errors(model=None, layout=None, parallel=None, **top):
+        blocks = {"llm": module("gpt", replace(MEGATRON, **(model or {})), layout or {"tp": 2},
+                                OptimizerConfig(), ParallelOptions(**(parallel or {})))}
+        with pytest.raises(ConfigError) as caught:
+            build_graph(experiment(2, blocks, global_batch=4, microbatches=1, **top))
+        return str(caught.value)
+
+    assert "does not run context parallelism (llm.layout.cp=2)" in errors(layout={"cp": 2})
+    assert "does not run experts yet" in errors(model={"num_experts": 4})
+    assert "does not shard with FSDP2" in errors(layout={"dp": 2}, parallel={"fsdp": True})
+    assert "does not scale RoPE by yarn" in errors(model={"rope_scaling": replace(CONFIG.rope_scaling, type="yarn", factor=2.0)})
+    assert "is not one of native, megatron" in errors(model={"backend": "te"})
+    assert isinstance(GPTConfig().backend, str)

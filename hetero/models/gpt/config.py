@@ -175,6 +175,4 @@ class GPTConfig:
                           "megatron-core's rotary takes from its own yarn settings); use llama3 scaling or backend=native")
         if options is not None and options.fsdp:
             errors.append(f"{where} does not shard with FSDP2 ({module}.parallel.fsdp=true); use dp replicas")
-        if options is not None and options.activation_checkpointing:
-            errors.append(f"{where} does not checkpoint activations yet ({module}.parallel.activation_checkpointing=true)")
         return errors

@@ -61,16 +61,19 @@ def layer_specs(config: GPTConfig, layers: int):
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
 
 
-def transformer_config(config: GPTConfig, tp: int, pp: int, sequence_parallel: bool):
+def transformer_config(config: GPTConfig, tp: int, pp: int, options: ParallelOptions):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    # activation checkpointing: megatron-core recomputes every layer in the backward
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(
+        **(recompute if options.activation_checkpointing else {}),
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
         num_query_groups=config.kv_heads, kv_channels=config.head_size, ffn_hidden_size=config.ffn_size,
         normalization="RMSNorm", layernorm_epsilon=config.norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=config.qkv_bias, qk_layernorm=config.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel and tp > 1,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=options.sequence_parallel and tp > 1,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
         # megatron's fused kernels are CUDA-only; the runtime compiles nothing either
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
@@ -119,7 +122,7 @@ class MegatronGPT(nn.Module):
         self.config = config
         self.sequence_parallel = options.sequence_parallel and layout.tp > 1
         self.gpt = GPTModel(
-            transformer_config(config, layout.tp, layout.pp, options.sequence_parallel),
+            transformer_config(config, layout.tp, layout.pp, options),
             layer_specs(config, len(stage_layers(config.num_layers, mesh.coord.pp, layout.pp))),
             vocab_size=config.vocab_size, max_sequence_length=config.seq_len,
             pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage,

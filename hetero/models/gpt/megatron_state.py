@@ -5,17 +5,27 @@ between the two backends and across layouts as it does between native layouts.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.megatron_names import megatron_shards, native_tensors, split_dim
 
-if TYPE_CHECKING:
-    from hetero.models.gpt.megatron import MegatronGPT
-
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class MegatronGPT(Protocol):
+    """What these views read of ``hetero.models.gpt.megatron.MegatronGPT``."""
+
+    config: GPTConfig
+    layers: range  # the stage's layers, by native index
+    tp_mesh: DeviceMesh | None  # the native plan's TP mesh (None at tp 1)
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
 
 
 def native_view(model: MegatronGPT, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -42,6 +42,7 @@ CASES = {  # name: (model, layout, parallel options)
     "tp2+sp": (CONFIG, {"tp": 2}, ParallelOptions(sequence_parallel=True)),
     "tp2+sp, q/k norms and biases": (QWEN_LIKE, {"tp": 2}, ParallelOptions(sequence_parallel=True)),
     "pp2": (CONFIG, {"pp": 2}, ParallelOptions()),
+    "tp2·pp2+sp": (CONFIG, {"tp": 2, "pp": 2}, ParallelOptions(sequence_parallel=True)),
     "tp2+activation checkpointing": (CONFIG, {"tp": 2}, ParallelOptions(activation_checkpointing=True)),
     "dp2": (CONFIG, {"dp": 2}, ParallelOptions()),
 }

@@ -33,7 +33,7 @@ from hetero.data.digits import IGNORE_INDEX
 from hetero.errors import ConfigError
 from hetero.kernels.documents import Documents, document_errors
 from hetero.models.gpt.config import GPTConfig
-from hetero.models.gpt.megatron import MegatronGPT
+from hetero.models.gpt.megatron import MegatronGPT, to_megatron
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.moe import MoEFeedForward
 from hetero.models.gpt.plan import parallelize_gpt
@@ -66,8 +66,6 @@ class GPTKind(Kind):
 
     def parallelize(self, model, mesh, options):
         if model.config.backend == "megatron":
-            from hetero.models.gpt.megatron import to_megatron
-
             return to_megatron(model, mesh, options)
         return parallelize_gpt(model, mesh, options)
 

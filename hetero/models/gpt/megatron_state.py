@@ -80,19 +80,21 @@ def optimizer_state(model: MegatronGPT, optimizer: torch.optim.Optimizer) -> dic
     """AdamW's state as ``get_state_dict`` flattens the native model's (``state.<name>.<key>`` and
     ``param_groups.<name>.<option>``); zeros where no step has run yet, so a load has somewhere to go."""
     params = {name: param for name, param in parameters(model).items() if param.requires_grad}
+    group = optimizer.param_groups[0]
+    on_param = group.get("fused") or group.get("capturable")  # where AdamW itself keeps the step count
     for param in params.values():
         if not optimizer.state[param]:
-            optimizer.state[param] = {"step": torch.zeros((), dtype=torch.float32),
-                                      **{key: torch.zeros_like(param) for key in MOMENTS}}
+            step = torch.zeros((), dtype=torch.float32, device=param.device if on_param else torch.device("cpu"))
+            optimizer.state[param] = {"step": step, **{key: torch.zeros_like(param) for key in MOMENTS}}
     out: dict[str, Any] = {}
     for key in MOMENTS:
         moments = native_view(model, {name: optimizer.state[param][key] for name, param in params.items()})
         out |= {f"state.{name}.{key}": value for name, value in moments.items()}
     step = next(iter(optimizer.state[param]["step"] for param in params.values()))
-    group = {key: value for key, value in optimizer.param_groups[0].items() if key != "params"}
+    options = {key: value for key, value in group.items() if key != "params"}
     for name in {key.split(".", 1)[1].rsplit(".", 1)[0] for key in out}:
         out[f"state.{name}.step"] = step.clone()
-        out |= {f"param_groups.{name}.{option}": value for option, value in group.items()}
+        out |= {f"param_groups.{name}.{option}": value for option, value in options.items()}
     return out
 
 

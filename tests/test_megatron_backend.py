@@ -1,8 +1,9 @@
 """The gpt kind's megatron backend (megatron-core's GPTModel) matches the native GPT in one process on the
 same weights: losses and gradient norms for 4 AdamW steps, every replica's step-1 gradients under native
-names (``hetero.testing.parity``), fp32, alone (``test_gpt_parity``'s model, data and reference) and as
-the LLM of a VLM behind a boundary (``test_vlm_parity``'s). Skipped without the ``megatron`` extra;
-megatron-core runs on CPU under ``hetero.testing.megatron_cpu``."""
+names (``hetero.testing.parity``), fp32, alone (``test_gpt_parity``'s model, data and reference), with
+experts (``test_moe_parity``'s, both auxiliary losses included) and as the LLM of a VLM behind a boundary
+(``test_vlm_parity``'s). Skipped without the ``megatron`` extra; megatron-core runs on CPU under
+``hetero.testing.megatron_cpu``."""
 
 import functools
 from dataclasses import replace
@@ -19,7 +20,7 @@ from hetero.graph.build import build_graph  # noqa: E402
 from hetero.interop.hf_checkpoint import HFCheckpoint  # noqa: E402
 from hetero.interop.hf_export import export_hf  # noqa: E402
 from hetero.models.gpt.config import GPTConfig  # noqa: E402
-from hetero.models.gpt.megatron_names import megatron_shards, native_tensors  # noqa: E402
+from hetero.models.gpt.megatron_names import is_expert, megatron_shards, native_tensors  # noqa: E402
 from hetero.models.gpt.model import GPT  # noqa: E402
 from hetero.parallel.options import ParallelOptions  # noqa: E402
 from hetero.runtime import build_runtime  # noqa: E402
@@ -28,9 +29,10 @@ from hetero.testing.megatron_cpu import megatron_on_cpu  # noqa: E402
 from hetero.testing.multiprocess import run_ranks  # noqa: E402
 from hetero.testing.parity import check_parity, record_run  # noqa: E402
 from hetero.train.checkpoint import Checkpointer  # noqa: E402
-from hetero.train.job import run_identity  # noqa: E402
+from hetero.train.job import expert_routing, run_identity  # noqa: E402
 import test_hf_import as hf_import  # noqa: E402
 import test_packed_parity as packed  # noqa: E402
+import test_moe_parity as moe  # noqa: E402
 import test_vlm_parity as vlm  # noqa: E402
 from test_gpt_parity import CONFIG, GLOBAL_BATCH, LR, MICROBATCHES, SEED, batches, reference  # noqa: E402
 
@@ -45,6 +47,16 @@ CASES = {  # name: (model, layout, parallel options)
     "tp2·pp2+sp": (CONFIG, {"tp": 2, "pp": 2}, ParallelOptions(sequence_parallel=True)),
     "tp2+activation checkpointing": (CONFIG, {"tp": 2}, ParallelOptions(activation_checkpointing=True)),
     "dp2": (CONFIG, {"dp": 2}, ParallelOptions()),
+    # the norms' TP sums happen before the overlapped DP sync takes their gradients
+    "tp2·dp2+sp": (CONFIG, {"tp": 2, "dp": 2}, ParallelOptions(sequence_parallel=True)),
+}
+SP = ParallelOptions(sequence_parallel=True)
+MOE_CASES = {  # name: (model, layout, parallel options): test_moe_parity's model, on the megatron backend
+    "tp2+sp": (moe.CONFIG, {"tp": 2}, SP),  # every expert on both ranks, each routing its part of the sequence
+    "ep2": (moe.CONFIG, {"dp": 2, "ep": 2}, ParallelOptions()),
+    "ep2 sigmoid+checkpointing": (moe.SIGMOID, {"dp": 2, "ep": 2}, ParallelOptions(activation_checkpointing=True)),
+    "ep2·tp2+sp": (moe.CONFIG, {"tp": 2, "dp": 2, "ep": 2}, SP),
+    "ep2·pp2": (moe.CONFIG, {"pp": 2, "dp": 2, "ep": 2}, ParallelOptions()),
 }
 VLM_CASES = {  # name: (layouts, world size); the llm on the megatron backend
     "colocated vision dp2, llm tp2": ({"vision": {"dp": 2}, "llm": {"tp": 2}}, 2),
@@ -80,6 +92,33 @@ def test_megatron_backend_matches_the_native_gpt(key):
     config, layout, _ = CASES[key]
     got = results(world_size_of(layout))[key]
     print("\n" + check_parity(got, reference(config), f"megatron backend {key}"))
+
+
+def train_moe_cases(rank, world_size, cases):
+    results = {}
+    with megatron_on_cpu():
+        for key, config, layout, options in cases:
+            blocks = {"llm": module("gpt", replace(config, backend="megatron"), layout, OptimizerConfig(lr=moe.LR), options)}
+            runtime = build_runtime(experiment(world_size, blocks, global_batch=moe.GLOBAL_BATCH,
+                                               microbatches=moe.MICROBATCHES, seed=moe.SEED))
+            results[key] = record_run(runtime, moe.batches(config), moe.KEYS)
+    return results
+
+
+@functools.cache
+def moe_results(world_size: int) -> dict:
+    cases = [(key, *case) for key, case in MOE_CASES.items() if world_size_of(case[1]) == world_size]
+    ranks = run_ranks(train_moe_cases, world_size, cases, timeout_s=300)
+    return {key: [by_key[key] for by_key in ranks] for key, *_ in cases}
+
+
+@pytest.mark.parametrize("key", list(MOE_CASES))
+def test_megatron_experts_match_the_native_mixture_of_experts(key):
+    """megatron-core's MoE layer (its router, dispatcher and experts) with hetero's auxiliary losses against
+    the native model in one process: the loss and both auxiliary losses at every step."""
+    config, layout, _ = MOE_CASES[key]
+    got = moe_results(world_size_of(layout))[key]
+    print("\n" + check_parity(got, moe.references(config is moe.SIGMOID), f"megatron experts {key}"))
 
 
 def evaluated(rank, world_size):
@@ -137,20 +176,46 @@ def test_packed_rows_on_the_megatron_backend_match_each_document_run_alone():
     print("\n" + check_parity(got, packed.gpt_reference(), "megatron backend tp2+sp, packed rows"))
 
 
-def resumed(rank, world_size, saved_as, resumed_as, directory):
-    """3 steps under ``saved_as`` (backend, layout), a checkpoint (``Checkpointer``: weights and AdamW
-    state through DCP), 2 more steps; then a fresh runtime under ``resumed_as`` loads the checkpoint and
-    takes the same 2 steps. Both runs' losses of steps 4 and 5."""
-    data = batches(steps=5)
+def routing_statistics(rank, world_size):
+    """``expert_routing`` (busiest expert over the mean, worst layer; dropped fraction) after 2 steps of
+    each backend at ep2 with recomputation, from the same weights."""
+    out = {}
+    with megatron_on_cpu():
+        for backend in ("native", "megatron"):
+            blocks = {"llm": module("gpt", replace(moe.CONFIG, backend=backend), {"dp": 2, "ep": 2},
+                                    OptimizerConfig(lr=moe.LR), ParallelOptions(activation_checkpointing=True))}
+            runtime = build_runtime(experiment(world_size, blocks, global_batch=moe.GLOBAL_BATCH,
+                                               microbatches=moe.MICROBATCHES, seed=moe.SEED))
+            for batch in moe.batches()[:2]:
+                runtime.train_step(batch)
+            out[backend] = expert_routing(runtime)
+    return out
 
-    def runtime(backend, layout):
-        blocks = {"llm": module("gpt", replace(CONFIG, backend=backend), layout, OptimizerConfig(lr=LR))}
-        config = experiment(world_size, blocks, global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES, seed=SEED)
-        return config, build_runtime(config)
+
+def test_the_megatron_routers_count_the_load_the_native_layers_count():
+    """Each training forward counted once (megatron-core recomputes a layer inside the backward, torch's
+    checkpoint around the native one), under the layer's global index."""
+    for got in run_ranks(routing_statistics, 2, timeout_s=300):
+        native, megatron = got["native"], got["megatron"]
+        assert native.keys() == megatron.keys() and native["expert_load.llm"] > 1, got
+        for key, value in native.items():
+            assert abs(megatron[key] - value) <= 1e-6 * max(abs(value), 1), (key, got)
+
+
+def resumed(rank, world_size, config, saved_as, resumed_as, directory):
+    """3 steps under ``saved_as`` (backend, layout, options), a checkpoint (``Checkpointer``: weights and
+    AdamW state through DCP), 2 more steps; then a fresh runtime under ``resumed_as`` loads the checkpoint
+    and takes the same 2 steps. Both runs' losses of steps 4 and 5."""
+    data = batches(config, steps=5)
+
+    def runtime(backend, layout, options=ParallelOptions()):
+        blocks = {"llm": module("gpt", replace(config, backend=backend), layout, OptimizerConfig(lr=LR), options)}
+        setup = experiment(world_size, blocks, global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES, seed=SEED)
+        return setup, build_runtime(setup)
 
     with megatron_on_cpu():
-        config, first = runtime(*saved_as)
-        saver = Checkpointer(CheckpointConfig(every=1), Path(directory), run_identity(config, first.graph))
+        setup, first = runtime(*saved_as)
+        saver = Checkpointer(CheckpointConfig(every=1), Path(directory), run_identity(setup, first.graph))
         for batch in data[:3]:
             first.train_step(batch)
         saver.save(first, 3)
@@ -161,15 +226,18 @@ def resumed(rank, world_size, saved_as, resumed_as, directory):
         return straight, [second.train_step(batch)["loss"] for batch in data[3:]]
 
 
-@pytest.mark.parametrize("saved_as,resumed_as", [
-    (("megatron", {"tp": 2}), ("native", {"tp": 2})),
-    (("native", {"dp": 2}), ("megatron", {"tp": 2})),
-    (("megatron", {"pp": 2}), ("megatron", {"tp": 2})),
-], ids=["megatron tp2 -> native tp2", "native dp2 -> megatron tp2", "megatron pp2 -> megatron tp2"])
-def test_a_checkpoint_moves_between_backends_and_layouts(tmp_path, saved_as, resumed_as):
-    """Checkpoints keep the native names and TP placements, so the weights and AdamW moments reload in
+@pytest.mark.parametrize("config,saved_as,resumed_as", [
+    (CONFIG, ("megatron", {"tp": 2}), ("native", {"tp": 2})),
+    (CONFIG, ("native", {"dp": 2}), ("megatron", {"tp": 2})),
+    (CONFIG, ("megatron", {"pp": 2}), ("megatron", {"tp": 2})),
+    (moe.CONFIG, ("native", {"dp": 2, "ep": 2}), ("megatron", {"tp": 2}, SP)),
+    (moe.CONFIG, ("megatron", {"tp": 2}, SP), ("native", {"dp": 2, "ep": 2})),
+], ids=["megatron tp2 -> native tp2", "native dp2 -> megatron tp2", "megatron pp2 -> megatron tp2",
+        "experts: native ep2 -> megatron tp2+sp", "experts: megatron tp2+sp -> native ep2"])
+def test_a_checkpoint_moves_between_backends_and_layouts(tmp_path, config, saved_as, resumed_as):
+    """Checkpoints keep the native names and placements, so the weights and AdamW moments reload in
     either backend under any layout: the resumed run's next losses are the uninterrupted run's."""
-    for straight, again in run_ranks(resumed, 2, saved_as, resumed_as, tmp_path, timeout_s=300):
+    for straight, again in run_ranks(resumed, 2, config, saved_as, resumed_as, tmp_path, timeout_s=300):
         assert all(abs(a - b) / b < 1e-5 for a, b in zip(again, straight)), (again, straight)
 
 
@@ -209,16 +277,21 @@ def test_a_hugging_face_checkpoint_imports_into_the_megatron_backend_and_exports
         assert torch.equal(exported.tensor(name), source.tensor(name)), name
 
 
-def test_the_name_map_round_trips_every_weight_of_every_shard():
-    """Native -> megatron-core shards (tp 2, each stage of pp 2, q/k/v biases and norms) -> native gives
-    back every tensor, bit for bit."""
-    config = replace(MEGATRON, qkv_bias=True, qk_norm=True)
+@pytest.mark.parametrize("config", [replace(MEGATRON, qkv_bias=True, qk_norm=True), replace(moe.CONFIG, backend="megatron")],
+                         ids=["q/k/v biases and norms", "shared and routed experts"])
+def test_the_name_map_round_trips_every_weight_of_every_shard(config):
+    """Native -> megatron-core shards (tp 2 × ep 2, each stage of pp 2) -> native gives back every tensor,
+    bit for bit."""
     native = GPT(config).state_dict()
     for layers, top in ((range(0, 2), "tok_embeddings.weight"), (range(2, 4), "output.weight")):
-        shards = [megatron_shards(native, config, layers, 2, rank) for rank in range(2)]
-        held = {name: [shard[name] for shard in shards] for name in shards[0]}
-        back = native_tensors({name: parts[0] for name, parts in held.items()}, config, layers,
-                              lambda value: next(parts for parts in held.values() if parts[0] is value))
+        by_ep = []  # each EP rank's tensors, its TP ranks' parts put together
+        for ep in range(2):
+            shards = [megatron_shards(native, config, layers, 2, tp, 2, ep) for tp in range(2)]
+            held = {name: [shard[name] for shard in shards] for name in shards[0]}
+            by_ep.append(native_tensors({name: parts[0] for name, parts in held.items()}, config, layers,
+                                        lambda value, held=held: next(p for p in held.values() if p[0] is value)))
+        back = {name: torch.cat([part[name] for part in by_ep]) if is_expert(name) else value
+                for name, value in by_ep[0].items()}
         want = {name for name in native if name.startswith(tuple(f"layers.{i}." for i in layers))}
         assert want | {top} <= set(back)
         for name, value in back.items():
@@ -234,7 +307,11 @@ def test_the_megatron_backend_refuses_what_it_does_not_run():
         return str(caught.value)
 
     assert "does not run context parallelism (llm.layout.cp=2)" in errors(layout={"cp": 2})
-    assert "does not run experts yet" in errors(model={"num_experts": 4})
+    experts = {"num_experts": 4, "top_k": 2}
+    assert "runs experts dropless only (llm.model.capacity_factor=1.25)" in errors(model=experts | {"capacity_factor": 1.25},
+                                                                                  parallel={"sequence_parallel": True})
+    assert "set llm.model.normalize_gates=true" in errors(model=experts | {"gate": "sigmoid"}, parallel={"sequence_parallel": True})
+    assert "needs llm.parallel.sequence_parallel=true" in errors(model=experts)
     assert "does not shard with FSDP2" in errors(layout={"dp": 2}, parallel={"fsdp": True})
     assert "does not scale RoPE by yarn" in errors(model={"rope_scaling": replace(CONFIG.rope_scaling, type="yarn", factor=2.0)})
     assert "is not one of native, megatron" in errors(model={"backend": "te"})

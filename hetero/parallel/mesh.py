@@ -50,8 +50,9 @@ STAGE_GROUPS = ("stage_activations", "stage_gradients")  # the pipeline's traffi
 # A module with experts gets groups of its own: "ep" (ep > 1), the tokens' all-to-all
 # (``Layout.expert_groups``); "expert_sync", the sum of expert gradients over the ranks that hold the same
 # experts and route other tokens (``expert_data_groups``); "rows" (cp·tp > 1), the ranks holding parts of
-# the same rows, where the balance loss counts whole rows.
-EXPERT_GROUPS = ("ep", "expert_sync", "rows")
+# the same rows, where the balance loss counts whole rows; "expert_tp", each rank alone: the experts' TP
+# group (experts are not split over TP), which megatron-core's MoE layer reads.
+EXPERT_GROUPS = ("ep", "expert_sync", "rows", "expert_tp")
 
 
 def resolve_backend(backend: str) -> str:
@@ -136,6 +137,7 @@ def group_specs(placement: Placement, expert_modules: frozenset[str] = frozenset
                        "expert_sync": layout.expert_data_groups(),
                        "rows": layout.groups(("cp", "tp")) if layout.cp * layout.tp > 1 else []}
             specs += [GroupSpec(name, kind, members, False) for kind, groups in experts.items() for members in groups]
+            specs += [GroupSpec(name, "expert_tp", (rank,), True) for rank in layout.ranks]
     return specs
 
 

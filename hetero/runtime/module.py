@@ -77,30 +77,41 @@ class ModuleState:
         freeze(self.model, node.settings)
         self.trained = trained(self.model)  # fixed from here on: walked every step, listed once
         self._norm_groups: list[int] | None = None  # local_squares' group of each trained parameter
+        self._summed_over_tp: set[int] = set()  # ids of ``partial_over_tp`` gradients summed in this backward
         self.optimizer = (build_adamw(self.model, node.settings.optim, fused=device.type == "cuda")
                           if self.trained else None)
         self.replica_sync = self._replica_sync()
 
     def _replica_sync(self) -> ReplicaSync:
         return ReplicaSync(self.model, self.mesh, self.node.options, self.node.settings.compression, self.seed,
-                           self.outer_comm, before_launch=settle_partial,
+                           self.outer_comm, before_launch=self._settle_before_launch,
                            expert_weights=self.node.kind.expert_weights(self.model))
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
+    def _settle_before_launch(self, param: nn.Parameter) -> None:
+        """A gradient's partial sum over TP reduced before an overlapped DP sync takes it into a bucket
+        (whose result is copied back over the gradient at the sync's end)."""
+        if getattr(param, "partial_over_tp", False):
+            dist.all_reduce(param.grad, group=self.mesh.group("tp"))
+            self._summed_over_tp.add(id(param))
+        else:
+            settle_partial(param)
+
     def settle_grads(self) -> None:
         """After the step's backwards: zeros where a parameter got no gradient (a replica that saw no rows
         still takes part in the sync), and partial sums reduced over TP (sequence parallelism leaves the
         norms' weights with a ``Partial`` gradient, whose local part is not the gradient; a plain
-        parameter says so with ``partial_over_tp``)."""
-        partial = []
+        parameter says so with ``partial_over_tp``), where an overlapped sync has not done so already."""
+        partial, summed, self._summed_over_tp = [], self._summed_over_tp, set()
         for param in self.trained:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             elif getattr(param, "partial_over_tp", False):
-                partial.append(param.grad)
+                if id(param) not in summed:
+                    partial.append(param.grad)
             else:
                 settle_partial(param)
         if partial:
@@ -196,7 +207,10 @@ def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def _norm_group(param: nn.Parameter) -> int:
     """Which of ``local_squares``' sums a settled gradient goes to: 0 TP-sharded (a DTensor's ``Shard`` or
-    megatron-core's ``tensor_model_parallel`` mark), 1 EP-sharded, 2 replicated."""
+    megatron-core's ``tensor_model_parallel`` mark), 1 EP-sharded (the megatron backend marks its experts
+    ``expert_shard``), 2 replicated."""
+    if getattr(param, "expert_shard", False):
+        return 1
     if getattr(param, "tensor_model_parallel", False):
         return 0
     placements = param.grad.placements if isinstance(param.grad, DTensor) else ()

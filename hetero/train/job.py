@@ -25,7 +25,7 @@ from hetero.data.loader import StepLoader
 from hetero.data.sample_batches import SampleBatches
 from hetero.graph import Graph, build_graph
 from hetero.interop.hf_source import imported_sources
-from hetero.models.gpt.moe import MoEFeedForward
+from hetero.models.gpt.moe import routed_layers
 from hetero.kinds.registry import KindRegistry
 from hetero.parallel.mesh import init_distributed
 from hetero.runtime import Runtime, build_runtime
@@ -200,19 +200,16 @@ def communicator_bytes(runtime: Runtime) -> dict[str, int]:
         module = runtime.modules.get(name)
         local.append(module.replica_sync.bytes_sent if module is not None else 0)
     for name, node in runtime.graph.nodes.items():
-        if node.layout.ep > 1:
+        if node.layout.ep > 1 and getattr(node.config, "backend", "native") == "native":  # megatron-core's
+            # token dispatcher counts no bytes
             names.append(f"all_to_all.{name}")
             module = runtime.modules.get(name)
-            local.append(sum(moe.dispatch.bytes_sent for _, moe in _moe_layers(module)) if module is not None else 0)
+            local.append(sum(moe.dispatch.bytes_sent for _, moe in routed_layers(module.model)) if module is not None else 0)
     totals = torch.tensor(local, dtype=torch.float64, device=runtime.device)
     dist.all_reduce(totals)
     return {name: int(value) for name, value in zip(names, totals.tolist())}
 
 
-def _moe_layers(module) -> list[tuple[int, MoEFeedForward]]:
-    """(global layer index, layer) of every mixture-of-experts layer of a module on this rank."""
-    return [(int(name.split(".")[1]), layer) for name, layer in module.model.named_modules()
-            if isinstance(layer, MoEFeedForward)]
 
 
 def expert_routing(runtime: Runtime) -> dict[str, float]:
@@ -228,7 +225,7 @@ def expert_routing(runtime: Runtime) -> dict[str, float]:
         module = runtime.modules.get(name)
         if module is None:
             continue
-        for index, layer in _moe_layers(module):
+        for index, layer in routed_layers(module.model):
             table[index] = torch.cat([layer.load, layer.assigned[None], layer.dropped[None]]).to(table.device)
             layer.load, layer.assigned, layer.dropped = (torch.zeros_like(t) for t in (layer.load, layer.assigned, layer.dropped))
     totals = torch.cat([table.flatten() for table in tables.values()])

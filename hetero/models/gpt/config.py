@@ -169,10 +169,23 @@ class GPTConfig:
             errors.append(f"{where} does not run context parallelism ({module}.layout.cp={layout.cp}): "
                           "megatron-core's CP attention needs TransformerEngine; use backend=native for cp > 1")
         if self.moe:
-            errors.append(f"{where} does not run experts yet ({module}.model.num_experts={self.num_experts})")
+            errors += self._megatron_expert_errors(module, layout, options)
         if self.rope_scaling.type == "yarn":
             errors.append(f"{where} does not scale RoPE by yarn (its attention factor scales cos and sin, which "
                           "megatron-core's rotary takes from its own yarn settings); use llama3 scaling or backend=native")
         if options is not None and options.fsdp:
             errors.append(f"{where} does not shard with FSDP2 ({module}.parallel.fsdp=true); use dp replicas")
+        return errors
+
+    def _megatron_expert_errors(self, module: str, layout: Layout, options: ParallelOptions | None) -> list[str]:
+        """The experts megatron-core's MoE layer runs with the native semantics (``megatron_router``)."""
+        where, errors = f"{module}.model.backend=megatron", []
+        if self.capacity_factor > 0:
+            errors.append(f"{where} runs experts dropless only ({module}.model.capacity_factor="
+                          f"{self.capacity_factor}): megatron-core picks the tokens it drops by its own policy")
+        if self.gate == "sigmoid" and not self.normalize_gates and self.top_k > 1:
+            errors.append(f"{where} renormalizes sigmoid gates when top_k > 1; set {module}.model.normalize_gates=true")
+        if layout.tp > 1 and not (options is not None and options.sequence_parallel):
+            errors.append(f"{where} with experts and {module}.layout.tp={layout.tp} needs "
+                          f"{module}.parallel.sequence_parallel=true (megatron-core's MoE layer refuses TP without it)")
         return errors

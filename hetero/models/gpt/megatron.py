@@ -13,8 +13,11 @@ placements, for checkpoints and Hugging Face import and export.
 Megatron's tensor-parallel weights are plain tensors marked ``tensor_model_parallel`` (the runtime counts
 their squares once per TP rank). The norms are torch's RMSNorm (``RMSNorm`` below: megatron's own wrapper
 refuses sequence parallelism); the weights whose gradients are partial sums over TP (every norm's under
-sequence parallelism, the per-head q and k norms' under any TP) are marked ``partial_over_tp``, and the
-runtime reduces them, as megatron's ``finalize_model_grads`` would.
+sequence parallelism, the per-head q and k norms' under any TP, the experts' router) are marked
+``partial_over_tp``, and the runtime reduces them, as megatron's ``finalize_model_grads`` would. With
+experts each rank holds its EP group's share of them whole (marked ``expert_shard``: their gradients are
+summed over the ranks holding the same experts, their squares once per EP rank), routed by
+``megatron_router.AuxLossRouter``.
 
 megatron-core is an optional extra (``hetero[megatron]``); on CPU it needs the substitutions in
 ``hetero.testing.megatron_cpu``, which only tests apply.
@@ -22,6 +25,7 @@ megatron-core is an optional extra (``hetero[megatron]``); on CPU it needs the s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +40,9 @@ from hetero.models.gpt import megatron_state
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.megatron_names import megatron_shards, native_tensors
 from hetero.models.gpt.model import GPT, place_rows, rope_frequencies
+from hetero.models.gpt.moe import Routing
 from hetero.parallel.blocks import stage_layers
+from hetero.parallel.layout import Layout
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 
@@ -49,25 +55,49 @@ class RMSNorm(nn.RMSNorm):
 
 
 def layer_specs(config: GPTConfig, layers: int):
-    """megatron-core's local layer spec for each of a stage's ``layers``, every norm ``RMSNorm``."""
+    """megatron-core's local layer spec for each of a stage's ``layers``, every norm ``RMSNorm``; with
+    experts its MoE layer (experts one after another, ``SequentialMLP``) routed by ``AuxLossRouter``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=config.num_experts or None, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_norm, normalization="RMSNorm")
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
     if config.qk_norm:
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = RMSNorm
+    if config.moe:
+        from hetero.models.gpt.megatron_router import AuxLossRouter
+
+        spec.submodules.mlp.submodules.router = functools.partial(AuxLossRouter, gpt=config)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
 
 
-def transformer_config(config: GPTConfig, tp: int, pp: int, options: ParallelOptions):
+def expert_config(config: GPTConfig, ep: int) -> dict[str, Any]:
+    """megatron-core's settings for the native mixture of experts: its top-k over the same scores (softmax
+    before the top-k unless the gates are renormalized, which equals a softmax over the chosen logits;
+    sigmoid gates renormalized), dropless, experts not split over TP, its own auxiliary losses off
+    (``megatron_router``)."""
+    if not config.moe:
+        return {}
+    return dict(
+        num_moe_experts=config.num_experts, moe_router_topk=config.top_k, moe_ffn_hidden_size=config.expert_size,
+        moe_shared_expert_intermediate_size=config.shared_experts * config.expert_size or None,
+        moe_router_score_function=config.gate,
+        moe_router_pre_softmax=config.gate == "softmax" and not config.normalize_gates,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+    )
+
+
+def transformer_config(config: GPTConfig, layout: Layout, options: ParallelOptions):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    tp, pp = layout.tp, layout.pp
     # activation checkpointing: megatron-core recomputes every layer in the backward
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(
-        **(recompute if options.activation_checkpointing else {}),
+        **(recompute if options.activation_checkpointing else {}), **expert_config(config, layout.ep),
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
         num_query_groups=config.kv_heads, kv_channels=config.head_size, ffn_hidden_size=config.ffn_size,
         normalization="RMSNorm", layernorm_epsilon=config.norm_eps, gated_linear_unit=True, activation_func=F.silu,
@@ -83,11 +113,17 @@ def transformer_config(config: GPTConfig, tp: int, pp: int, options: ParallelOpt
 
 def process_groups(mesh: ModuleMesh):
     """The module's own groups that megatron-core's model reads (tp, pp, cp; embd for the embedding tied
-    to the output over pipeline stages, which the backend refuses). Gradients are reduced over dp by
-    hetero's replica sync, not megatron's DDP."""
+    to the output over pipeline stages, which the backend refuses; with experts the EP group, the experts'
+    TP group of one rank, and the ranks summing the experts' gradients). Gradients are reduced over dp
+    by hetero's replica sync, not megatron's DDP."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    return ProcessGroupCollection(tp=mesh.group("tp"), pp=mesh.group("pp"), cp=mesh.group("cp"), embd=None)
+    groups = dict(tp=mesh.group("tp"), pp=mesh.group("pp"), cp=mesh.group("cp"), embd=None)
+    if "expert_tp" in mesh.groups:
+        ep = mesh.group("ep") if mesh.layout.ep > 1 else mesh.group("expert_tp")
+        groups |= dict(ep=ep, expt_tp=mesh.group("expert_tp"), tp_ep=ep, expt_dp=mesh.group("expert_sync"),
+                       tp_cp=mesh.group("tp"), tp_dp_cp=None)  # tp_dp_cp: megatron's global aux loss only, off
+    return ProcessGroupCollection(**groups)
 
 
 def gather_shards(group: dist.ProcessGroup) -> Callable[[torch.Tensor], list[torch.Tensor]]:
@@ -122,7 +158,7 @@ class MegatronGPT(nn.Module):
         self.config = config
         self.sequence_parallel = options.sequence_parallel and layout.tp > 1
         self.gpt = GPTModel(
-            transformer_config(config, layout.tp, layout.pp, options),
+            transformer_config(config, layout, options),
             layer_specs(config, len(stage_layers(config.num_layers, mesh.coord.pp, layout.pp))),
             vocab_size=config.vocab_size, max_sequence_length=config.seq_len,
             pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage,
@@ -133,10 +169,16 @@ class MegatronGPT(nn.Module):
         self.tp_group = mesh.group("tp")
         self.tp_mesh = mesh.mesh["tp"] if layout.tp > 1 else None  # the native plan's, for native views
         self.layers = stage_layers(config.num_layers, mesh.coord.pp, layout.pp)  # as the native stage's
+        self.ep_group = mesh.group("ep") if layout.ep > 1 else None
+        self.expert_mesh = mesh.expert_mesh
         for name, param in self.gpt.named_parameters():
             sums = self.sequence_parallel or "q_layernorm" in name or "k_layernorm" in name
-            if layout.tp > 1 and "layernorm" in name and sums:
-                param.partial_over_tp = True
+            if layout.tp > 1 and (("layernorm" in name and sums) or ".mlp.router." in name):
+                param.partial_over_tp = True  # the router's: each TP rank routes its part of the sequence
+            if ".mlp.experts." in name:
+                param.expert_shard = True  # this rank's experts, whole (not split over TP)
+        for _, router in self.routed_layers():
+            router.row_group = mesh.group("rows") if layout.tp > 1 else None
 
     def forward(
         self,
@@ -165,6 +207,8 @@ class MegatronGPT(nn.Module):
             gpt.decoder.set_input_tensor(h)
         if positions is None:
             positions = torch.arange(seq_len, device=h.device)
+        for _, router in self.routed_layers():
+            router.aux_scale = aux_scale
         mask = ~torch.ones(seq_len, seq_len, dtype=torch.bool, device=h.device).tril()[None, None]
         if documents is not None:  # each token attends within its document
             mask = mask | (documents.ids[:, :, None] != documents.ids[:, None, :])[:, None]
@@ -176,6 +220,11 @@ class MegatronGPT(nn.Module):
         logits, _ = gpt.output_layer(h, weight=weight)
         logits = logits.transpose(0, 1)
         return (logits, h.transpose(0, 1)) if return_hidden else logits
+
+    def routed_layers(self) -> list[tuple[int, Routing]]:
+        """(global layer index, router) of the stage's mixture-of-experts layers."""
+        return [(self.layers[int(name.split(".")[3])], module) for name, module in self.named_modules()
+                if isinstance(module, Routing)]  # gpt.decoder.layers.<local>.mlp.router
 
     def rotary(self, positions: torch.Tensor) -> torch.Tensor:
         """megatron-core's rotary angles, (seq, 1, 1, head_dim) or one row each (seq, batch, 1, head_dim),
@@ -216,11 +265,14 @@ class MegatronGPT(nn.Module):
         """``values`` by this model's parameter names (weights, gradients), whole and under the native
         model's names (collective over TP)."""
         own = {name.removeprefix("gpt."): value for name, value in values.items()}
-        return native_tensors(own, self.config, self.layers, gather_shards(self.tp_group))
+        experts = gather_shards(self.ep_group) if self.ep_group is not None else lambda value: [value]
+        return native_tensors(own, self.config, self.layers, gather_shards(self.tp_group), experts)
 
     def load_native(self, state: dict[str, torch.Tensor]) -> None:
         """This rank's shards of a native ``state_dict`` (whole tensors; any stage's)."""
-        shards = megatron_shards(state, self.config, self.layers, self.tp_group.size(), self.tp_group.rank())
+        ep = self.ep_group
+        shards = megatron_shards(state, self.config, self.layers, self.tp_group.size(), self.tp_group.rank(),
+                                 ep.size() if ep is not None else 1, ep.rank() if ep is not None else 0)
         own = [name for name in self.gpt.state_dict() if not name.endswith("_extra_state")]
         missing = sorted(set(own) - set(shards))
         if missing:

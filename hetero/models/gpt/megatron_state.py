@@ -1,5 +1,6 @@
-"""A megatron-backend module's weights and AdamW state as the native GPT's: native names and TP placements
-(DTensors over the module's TP mesh where tp > 1), each holding this rank's part. Checkpoints,
+"""A megatron-backend module's weights and AdamW state as the native GPT's: native names and placements
+(DTensors over the module's TP mesh where tp > 1; the routed experts' stacks over its EP mesh where
+ep > 1), each holding this rank's part. Checkpoints,
 ``init.checkpoint``, ``init.hf`` and ``hetero convert`` read and write these, so a checkpoint moves
 between the two backends and across layouts as it does between native layouts."""
 
@@ -13,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hetero.models.gpt.config import GPTConfig
-from hetero.models.gpt.megatron_names import megatron_shards, native_tensors, split_dim
+from hetero.models.gpt.megatron_names import is_expert, megatron_shards, native_tensors, split_dim
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -24,6 +25,7 @@ class MegatronGPT(Protocol):
     config: GPTConfig
     layers: range  # the stage's layers, by native index
     tp_mesh: DeviceMesh | None  # the native plan's TP mesh (None at tp 1)
+    expert_mesh: DeviceMesh | None  # the native plan's EP mesh (None at ep 1)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
 
@@ -37,14 +39,20 @@ def native_view(model: MegatronGPT, own: dict[str, torch.Tensor]) -> dict[str, t
 
 def _placed(model: MegatronGPT, name: str, local: torch.Tensor) -> torch.Tensor:
     local = local.detach().clone()
+    if is_expert(name):
+        return local if model.expert_mesh is None else _dtensor(local, model.expert_mesh, 0)
     if model.tp_mesh is None:
         return local
-    dim, tp = split_dim(name), model.tp_mesh.size()
+    return _dtensor(local, model.tp_mesh, split_dim(name))
+
+
+def _dtensor(local: torch.Tensor, mesh: DeviceMesh, dim: int | None) -> DTensor:
+    """``local`` as this rank's part of a tensor over the 1-D ``mesh``: split on ``dim``, or replicated."""
     shape = list(local.shape)
     if dim is not None:
-        shape[dim] *= tp
+        shape[dim] *= mesh.size()
     placements = [Replicate()] if dim is None else [Shard(dim)]
-    return DTensor.from_local(local, model.tp_mesh, placements, run_check=False, shape=torch.Size(shape),
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
 
 

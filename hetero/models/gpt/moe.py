@@ -83,6 +83,11 @@ class LocalExperts:
         return experts(x, counts.tolist())
 
 
+def with_aux_loss(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """``out``, carrying ``aux`` (already scaled as a part of the total loss) into its backward."""
+    return _WithAuxLoss.apply(out, aux) if torch.is_grad_enabled() else out
+
+
 class _WithAuxLoss(torch.autograd.Function):
     """The layer's output unchanged; in backward, the auxiliary loss gets gradient 1 (it was scaled as a
     part of the total loss already)."""
@@ -97,7 +102,54 @@ class _WithAuxLoss(torch.autograd.Function):
         return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
 
 
-class MoEFeedForward(nn.Module):
+class Routing:
+    """What a layer that routes tokens to experts keeps for reporting: the weighted auxiliary-loss sums of
+    its last forward, and its training forwards' routing so far (not state: they restart with the
+    process): tokens each expert took, and assignments routed and dropped. The native layer below and the
+    megatron backend's router both keep it."""
+
+    def start_records(self, num_experts: int) -> None:
+        self.last_aux: dict[str, torch.Tensor] = {}
+        self.load = torch.zeros(num_experts, dtype=torch.float64)
+        self.assigned = torch.zeros((), dtype=torch.float64)
+        self.dropped = torch.zeros((), dtype=torch.float64)
+
+    def counts_this_forward(self) -> bool:
+        """Whether this forward is one to count: a training one, not a recompute's (torch's checkpoint
+        reruns the forward inside the backward)."""
+        return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+    def record(self, counts: torch.Tensor, assigned: int, dropped: torch.Tensor) -> None:
+        """A training forward's routing, once per forward (``counts_this_forward``)."""
+        if self.counts_this_forward():
+            self.load = self.load.to(counts.device) + counts.double()
+            self.assigned = self.assigned.to(counts.device) + assigned
+            self.dropped = self.dropped.to(counts.device) + dropped.double()
+
+    def aux_loss(self, config: GPTConfig, logits: torch.Tensor, scores: torch.Tensor, row_counts: torch.Tensor,
+                 row_of: torch.Tensor, row_group: dist.ProcessGroup | None) -> torch.Tensor:
+        """The weighted sum of both auxiliary losses over this call's tokens (``logits`` and ``scores``,
+        (tokens, experts)); ``row_counts`` (rows, experts): the top-k assignments of each row's tokens
+        here, ``row_of`` each token's row. Kept in ``last_aux``."""
+        probs = scores if config.gate == "softmax" else scores / scores.sum(-1, keepdim=True)
+        if row_group is not None:
+            dist.all_reduce(row_counts, group=row_group)
+        fractions = row_counts / row_counts.sum(-1, keepdim=True).clamp(min=1)
+        balance = config.num_experts * (fractions[row_of] * probs).sum() * config.balance_loss
+        z = logits.logsumexp(-1).square().sum() * config.router_z_loss
+        self.last_aux = {"balance_loss": balance.detach(), "z_loss": z.detach()}
+        return balance + z
+
+
+def routed_layers(model: nn.Module) -> list[tuple[int, Routing]]:
+    """(global layer index, routing record) of every mixture-of-experts layer of a model on this rank."""
+    if hasattr(model, "routed_layers"):  # a backend whose layer names differ from the native model's
+        return model.routed_layers()
+    return [(int(name.split(".")[1]), layer) for name, layer in model.named_modules()
+            if isinstance(layer, MoEFeedForward)]
+
+
+class MoEFeedForward(nn.Module, Routing):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -107,12 +159,7 @@ class MoEFeedForward(nn.Module):
                        if config.shared_experts else None)
         self.dispatch: Dispatch = LocalExperts()
         self.row_group: dist.ProcessGroup | None = None  # ranks holding other tokens of the same rows (CP, TP)
-        self.last_aux: dict[str, torch.Tensor] = {}
-        # Training forwards' routing so far (not state: they restart with the process): tokens each expert
-        # took, and assignments routed and dropped.
-        self.load = torch.zeros(config.num_experts, dtype=torch.float64)
-        self.assigned = torch.zeros((), dtype=torch.float64)
-        self.dropped = torch.zeros((), dtype=torch.float64)
+        self.start_records(config.num_experts)
 
     def forward(self, x: torch.Tensor, aux_scale: float | None = None) -> torch.Tensor:
         """``x`` (batch, seq, hidden). ``aux_scale``: what the auxiliary losses' sums are multiplied by before
@@ -142,26 +189,12 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         out = out.view(batch, seq, hidden)
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # training, not a recompute
-            self.load = self.load.to(x.device) + counts.double()
-            self.assigned = self.assigned.to(x.device) + flat.numel()
-            self.dropped = self.dropped.to(x.device) + (~routed).sum().double()
+        self.record(counts, flat.numel(), (~routed).sum())
         if aux_scale is None:
             return out
-        probs = scores if config.gate == "softmax" else scores / scores.sum(-1, keepdim=True)
-        balance = self._balance_sum(chosen, probs, batch, seq) * config.balance_loss
-        z = logits.logsumexp(-1).square().sum() * config.router_z_loss
-        self.last_aux = {"balance_loss": balance.detach(), "z_loss": z.detach()}
-        return _WithAuxLoss.apply(out, (balance + z) * aux_scale) if torch.is_grad_enabled() else out
-
-    def _balance_sum(self, chosen: torch.Tensor, probs: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
-        """``E · Σ_t Σ_e f_{row(t),e} p_{t,e}`` over this call's tokens, ``f`` counted over whole rows."""
-        num = self.config.num_experts
-        row_of = torch.arange(batch, device=probs.device).repeat_interleave(seq)
-        counts = torch.zeros(batch, num, dtype=torch.float32, device=probs.device)
-        counts.index_put_((row_of.repeat_interleave(chosen.shape[1]), chosen.flatten()),
-                          torch.ones(chosen.numel(), device=probs.device), accumulate=True)
-        if self.row_group is not None:
-            dist.all_reduce(counts, group=self.row_group)
-        fractions = counts / counts.sum(-1, keepdim=True).clamp(min=1)
-        return num * (fractions[row_of] * probs).sum()
+        row_of = torch.arange(batch, device=x.device).repeat_interleave(seq)
+        row_counts = torch.zeros(batch, num, dtype=torch.float32, device=x.device)
+        row_counts.index_put_((row_of.repeat_interleave(k), flat), torch.ones(flat.numel(), device=x.device),
+                              accumulate=True)
+        aux = self.aux_loss(config, logits, scores, row_counts, row_of, self.row_group)
+        return with_aux_loss(out, aux * aux_scale)

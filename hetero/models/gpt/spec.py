@@ -35,7 +35,7 @@ from hetero.kernels.documents import Documents, document_errors
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.megatron import MegatronGPT, to_megatron
 from hetero.models.gpt.model import GPT, token_loss_sum
-from hetero.models.gpt.moe import MoEFeedForward
+from hetero.models.gpt.moe import routed_layers
 from hetero.models.gpt.plan import parallelize_gpt
 from hetero.kinds.columns import INTEGER, LONG, Column, Dim, column_errors
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
@@ -59,7 +59,8 @@ class GPTKind(Kind):
         return config.moe
 
     def expert_weights(self, model: GPT) -> set[str]:
-        return {name for name, _ in model.named_parameters() if ".feed_forward.experts." in name}
+        return {name for name, param in model.named_parameters()
+                if ".feed_forward.experts." in name or getattr(param, "expert_shard", False)}
 
     def loss_parts(self, config: GPTConfig) -> tuple[str, ...]:
         return AUX_PARTS if config.moe else ()
@@ -201,7 +202,7 @@ def _aux_parts(model: GPT, scale: float, step: StageStep) -> dict[str, torch.Ten
     if not step.config.moe:
         return {}
     mesh = step.mesh
-    layers = [module for module in model.modules() if isinstance(module, MoEFeedForward)]
+    layers = [layer for _, layer in routed_layers(model)]
     if not layers:
         return {}
     parts = torch.stack([torch.stack([layer.last_aux[name] for layer in layers]).sum() for name in AUX_PARTS]) * scale

@@ -14,15 +14,19 @@ Rows, each measured in this run:
 - one training step of a GPT of about 1B parameters (hidden 2048, 18 layers, sequence 2048) in bf16:
   TFLOP/s (Megatron's count, ``hetero.kinds.flops``) and MFU against the datasheet dense bf16 peak;
 - the scaled-dot-product attention backend that step ran on (flash or memory-efficient; math means no
-  fused kernel took it).
+  fused kernel took it);
+- the gpt kind's megatron backend (megatron-core's local layer spec) against the native one on the LLM
+  job at 1024 wide, 8 layers and 1024 tokens a row: the largest relative difference of a step's bf16 loss
+  and tokens/s side by side (where megatron-core is installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +40,9 @@ from hetero.graph import build_graph
 JOBS = {"LLM": "text_lm", "VLM": "colocated_vlm", "MoE-VLM": "moe_vlm", "DNA-VLM": "dna_vlm", "video": "video",
         "GeneZip": "genezip", "full graph": "full_graph"}
 KERNEL_NUMEL = 2**26
+MEGATRON_JOB = "text_lm"  # at a size where the step is the GPU's work, not the launches'
+MEGATRON_SIZE = ["llm.model.hidden_size=1024", "llm.model.num_layers=8", "llm.model.num_heads=8",
+                 "llm.model.seq_len=1024"]
 
 
 @dataclass
@@ -59,11 +66,13 @@ def one_rank_overrides(name: str, precision: str) -> list[str]:
     return overrides
 
 
-def job_row(label: str, name: str, steps: int, device: torch.device) -> Row:
+def train_job(name: str, steps: int, device: torch.device, overrides: Sequence[str] = ()) -> tuple[list[float], float]:
+    """``name``'s experiment on one rank in bf16 (with ``overrides``) for ``steps`` steps: each step's loss
+    and the median step's seconds (the first step's left out)."""
     from hetero.runtime import build_runtime
     from hetero.data.splits import load_splits
 
-    experiment = absolute_paths(load_experiment(name, one_rank_overrides(name, "bf16")))
+    experiment = absolute_paths(load_experiment(name, one_rank_overrides(name, "bf16") + list(overrides)))
     runtime = build_runtime(experiment)  # on the device the backend serves: cuda:LOCAL_RANK under NCCL
     assert runtime.device.type == device.type, f"the runtime is on {runtime.device}, the check asked for {device}"
     data = load_splits(experiment, runtime.graph, ("train",))["train"]
@@ -72,9 +81,35 @@ def job_row(label: str, name: str, steps: int, device: torch.device) -> Row:
         tick = time.perf_counter()
         losses.append(runtime.train_step(data.batch(step))["loss"])  # the loss's .tolist() waits for the step
         times.append(time.perf_counter() - tick)
-    timed = times[1:] or times
+    return losses, statistics.median(times[1:] or times)
+
+
+def job_row(label: str, name: str, steps: int, device: torch.device) -> Row:
+    losses, seconds = train_job(name, steps, device)
     return Row(f"{label} ({name}), {steps} bf16 steps", f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
-               f"{statistics.median(timed) * 1e3:.1f} ms/step")
+               f"{seconds * 1e3:.1f} ms/step")
+
+
+def megatron_rows(device: torch.device, steps: int) -> list[Row]:
+    """The gpt kind's two backends side by side on ``MEGATRON_JOB`` (bf16, one rank, the same weights and
+    batches): the largest relative difference of a step's loss, and tokens/s of each."""
+    experiment = load_experiment(MEGATRON_JOB, MEGATRON_SIZE)
+    model = experiment.modules["llm"].model
+    what = (f"megatron backend against native ({MEGATRON_JOB}, {model['hidden_size']} wide, {model['num_layers']} "
+            f"layers, {model['seq_len']} tokens a row)")
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return [Row(what, "not run", "megatron-core is not installed: pip install -e '.[megatron]'")]
+    if device.type != "cuda":
+        return [Row(what, "not run", "megatron-core's model code needs CUDA (the tests run it on CPU)")]
+    runs = {backend: train_job(MEGATRON_JOB, steps, device, MEGATRON_SIZE + [f"+llm.model.backend={backend}"])
+            for backend in ("native", "megatron")}
+    (native, native_s), (megatron, megatron_s) = runs["native"], runs["megatron"]
+    worst = max(abs(m - n) / abs(n) for n, m in zip(native, megatron))
+    tokens = experiment.batch.global_batch_size * model["seq_len"]
+    return [Row(f"{what}, {steps} bf16 steps", f"loss rel diff {worst:.1e}",
+                f"native {native[0]:.4f} -> {native[-1]:.4f}, megatron {megatron[0]:.4f} -> {megatron[-1]:.4f}"),
+            Row("tokens/s: native | megatron", f"{tokens / native_s:,.0f} | {tokens / megatron_s:,.0f}",
+                f"megatron {native_s / megatron_s:.2f}x native")]
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
@@ -181,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [job_row(label, name, args.steps, device) for label, name in JOBS.items()]
     rows += kernel_rows(device, args.kernel_numel)
     rows += gpt_rows(device, args.gpt_layers)
+    rows += megatron_rows(device, args.steps)
     what = max(len(r.what) for r in rows)
     figure = max(len(r.figure) for r in rows)
     print(f"\nhetero GPU check on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "

@@ -77,7 +77,8 @@ def expert_config(config: GPTConfig, ep: int) -> dict[str, Any]:
     """megatron-core's settings for the native mixture of experts: its top-k over the same scores (softmax
     before the top-k unless the gates are renormalized, which equals a softmax over the chosen logits;
     sigmoid gates renormalized), dropless, experts not split over TP, its own auxiliary losses off
-    (``megatron_router``)."""
+    (``megatron_router``). Tokens reach the experts by its all-gather dispatcher over the EP group (its
+    all-to-all one creates a CUDA stream when built, so no test could run it)."""
     if not config.moe:
         return {}
     return dict(

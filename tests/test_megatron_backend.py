@@ -19,7 +19,7 @@ from hetero.errors import ConfigError  # noqa: E402
 from hetero.graph.build import build_graph  # noqa: E402
 from hetero.interop.hf_checkpoint import HFCheckpoint  # noqa: E402
 from hetero.interop.hf_export import export_hf  # noqa: E402
-from hetero.models.gpt.config import GPTConfig  # noqa: E402
+from hetero.models.gpt.config import GPTConfig, RopeScaling  # noqa: E402
 from hetero.models.gpt.megatron_names import is_expert, megatron_shards, native_tensors  # noqa: E402
 from hetero.models.gpt.model import GPT  # noqa: E402
 from hetero.parallel.options import ParallelOptions  # noqa: E402
@@ -38,11 +38,14 @@ from test_gpt_parity import CONFIG, GLOBAL_BATCH, LR, MICROBATCHES, SEED, batche
 
 MEGATRON = replace(CONFIG, backend="megatron")
 QWEN_LIKE = replace(CONFIG, qk_norm=True, qkv_bias=True)  # per-head q/k norms: gradients summed over TP
+# the attention factor (1.139) scales the scores by its square through megatron-core's softmax scale
+YARN = replace(CONFIG, rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position=8))
 CASES = {  # name: (model, layout, parallel options)
     "tp1": (CONFIG, {}, ParallelOptions()),
     "tp2": (CONFIG, {"tp": 2}, ParallelOptions()),
     "tp2+sp": (CONFIG, {"tp": 2}, ParallelOptions(sequence_parallel=True)),
     "tp2+sp, q/k norms and biases": (QWEN_LIKE, {"tp": 2}, ParallelOptions(sequence_parallel=True)),
+    "tp2, yarn scaling": (YARN, {"tp": 2}, ParallelOptions()),
     "pp2": (CONFIG, {"pp": 2}, ParallelOptions()),
     "tp2·pp2+sp": (CONFIG, {"tp": 2, "pp": 2}, ParallelOptions(sequence_parallel=True)),
     "tp2+activation checkpointing": (CONFIG, {"tp": 2}, ParallelOptions(activation_checkpointing=True)),
@@ -241,10 +244,10 @@ def test_a_checkpoint_moves_between_backends_and_layouts(tmp_path, config, saved
         assert all(abs(a - b) / b < 1e-5 for a, b in zip(again, straight)), (again, straight)
 
 
-HF_CASES = {  # test_hf_import's checkpoints that the backend runs (it refuses yarn's scaling)
-    "qwen2: biases on q, k, v": ("Qwen2Config", "Qwen2ForCausalLM",
-                                 dict(num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+HF_CASES = {  # test_hf_import's checkpoints
+    "qwen2: biases on q, k, v, yarn scaling": hf_import.CASES[hf_import.QWEN2],
     "llama 3: GQA, llama3 scaling, tied embeddings": hf_import.CASES[hf_import.LLAMA],
+    "qwen3: q/k norms, head_dim 16, tied embeddings": hf_import.CASES[hf_import.QWEN3],
 }
 
 
@@ -313,6 +316,5 @@ def test_the_megatron_backend_refuses_what_it_does_not_run():
     assert "set llm.model.normalize_gates=true" in errors(model=experts | {"gate": "sigmoid"}, parallel={"sequence_parallel": True})
     assert "needs llm.parallel.sequence_parallel=true" in errors(model=experts)
     assert "does not shard with FSDP2" in errors(layout={"dp": 2}, parallel={"fsdp": True})
-    assert "does not scale RoPE by yarn" in errors(model={"rope_scaling": replace(CONFIG.rope_scaling, type="yarn", factor=2.0)})
     assert "is not one of native, megatron" in errors(model={"backend": "te"})
     assert isinstance(GPTConfig().backend, str)

@@ -170,9 +170,6 @@ class GPTConfig:
                           "megatron-core's CP attention needs TransformerEngine; use backend=native for cp > 1")
         if self.moe:
             errors += self._megatron_expert_errors(module, layout, options)
-        if self.rope_scaling.type == "yarn":
-            errors.append(f"{where} does not scale RoPE by yarn (its attention factor scales cos and sin, which "
-                          "megatron-core's rotary takes from its own yarn settings); use llama3 scaling or backend=native")
         if options is not None and options.fsdp:
             errors.append(f"{where} does not shard with FSDP2 ({module}.parallel.fsdp=true); use dp replicas")
         return errors

@@ -26,6 +26,7 @@ megatron-core is an optional extra (``hetero[megatron]``); on CPU it needs the s
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,8 +98,12 @@ def transformer_config(config: GPTConfig, layout: Layout, options: ParallelOptio
     tp, pp = layout.tp, layout.pp
     # activation checkpointing: megatron-core recomputes every layer in the backward
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    # YaRN scales cos and sin by its attention factor, so the scores by its square: megatron-core's rotary
+    # (``rotary`` gives it the angles alone) leaves that to the softmax scale
+    _, attention = rope_frequencies(config.head_size, config.rope_theta, config.rope_scaling)
     return TransformerConfig(
         **(recompute if options.activation_checkpointing else {}), **expert_config(config, layout.ep),
+        softmax_scale=attention**2 / math.sqrt(config.head_size) if attention != 1.0 else None,
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
         num_query_groups=config.kv_heads, kv_channels=config.head_size, ffn_hidden_size=config.ffn_size,
         normalization="RMSNorm", layernorm_epsilon=config.norm_eps, gated_linear_unit=True, activation_func=F.silu,

@@ -72,21 +72,24 @@ def world_size_of(layout: dict) -> int:
     return layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
 
 
-def train_cases(rank, world_size, cases):
+def train_cases(rank, world_size, cases, keys):
+    """Each case's run on the megatron backend (test_gpt_parity's and test_moe_parity's batch, microbatches,
+    seed and learning rate are the same), recording the metrics ``keys``."""
     results = {}
     with megatron_on_cpu():
         for key, config, layout, options in cases:
             blocks = {"llm": module("gpt", replace(config, backend="megatron"), layout, OptimizerConfig(lr=LR), options)}
             runtime = build_runtime(experiment(world_size, blocks, global_batch=GLOBAL_BATCH,
                                                microbatches=MICROBATCHES, seed=SEED))
-            results[key] = record_run(runtime, batches(config))
+            results[key] = record_run(runtime, batches(config), keys)
     return results
 
 
 @functools.cache
-def results(world_size: int) -> dict:
-    cases = [(key, *case) for key, case in CASES.items() if world_size_of(case[1]) == world_size]
-    ranks = run_ranks(train_cases, world_size, cases, timeout_s=300)
+def results(world_size: int, experts: bool = False) -> dict:
+    table, keys = (MOE_CASES, moe.KEYS) if experts else (CASES, ("loss",))
+    cases = [(key, *case) for key, case in table.items() if world_size_of(case[1]) == world_size]
+    ranks = run_ranks(train_cases, world_size, cases, keys, timeout_s=300)
     return {key: [by_key[key] for by_key in ranks] for key, *_ in cases}
 
 
@@ -97,30 +100,12 @@ def test_megatron_backend_matches_the_native_gpt(key):
     print("\n" + check_parity(got, reference(config), f"megatron backend {key}"))
 
 
-def train_moe_cases(rank, world_size, cases):
-    results = {}
-    with megatron_on_cpu():
-        for key, config, layout, options in cases:
-            blocks = {"llm": module("gpt", replace(config, backend="megatron"), layout, OptimizerConfig(lr=moe.LR), options)}
-            runtime = build_runtime(experiment(world_size, blocks, global_batch=moe.GLOBAL_BATCH,
-                                               microbatches=moe.MICROBATCHES, seed=moe.SEED))
-            results[key] = record_run(runtime, moe.batches(config), moe.KEYS)
-    return results
-
-
-@functools.cache
-def moe_results(world_size: int) -> dict:
-    cases = [(key, *case) for key, case in MOE_CASES.items() if world_size_of(case[1]) == world_size]
-    ranks = run_ranks(train_moe_cases, world_size, cases, timeout_s=300)
-    return {key: [by_key[key] for by_key in ranks] for key, *_ in cases}
-
-
 @pytest.mark.parametrize("key", list(MOE_CASES))
 def test_megatron_experts_match_the_native_mixture_of_experts(key):
     """megatron-core's MoE layer (its router, dispatcher and experts) with hetero's auxiliary losses against
     the native model in one process: the loss and both auxiliary losses at every step."""
     config, layout, _ = MOE_CASES[key]
-    got = moe_results(world_size_of(layout))[key]
+    got = results(world_size_of(layout), experts=True)[key]
     print("\n" + check_parity(got, moe.references(config is moe.SIGMOID), f"megatron experts {key}"))
 
 

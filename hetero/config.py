@@ -16,6 +16,7 @@ exists.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -157,6 +158,10 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     edges: list[EdgeConfig] = field(default_factory=list)
     modules: dict[str, ModuleConfig] = field(default_factory=dict)
+    # per module, the model: fields the command line set (Hydra overrides, recorded by load_experiment); None:
+    # not known (an experiment built from a dict), every field counts as the user's own. Where init.hf or
+    # init.checkpoint gives the sizes, these must agree with it; the YAML's others give way to it.
+    command_line: dict[str, list[str]] | None = None
 
     def model_config(self, module: str, registry: KindRegistry | None = None) -> Any:
         """The module's typed model config (e.g. ``GPTConfig``), of its kind in ``registry`` (default:
@@ -170,10 +175,18 @@ class ExperimentConfig:
                 f"{module}.kind={spec.kind!r} is not a known module kind; use one of {', '.join(registry.names())} "
                 f"(or register yours: hetero.kinds.KindRegistry.register, entry point group hetero.kinds)"
             )
+        from hetero.kinds.registry import ModelFields
+
+        given = ModelFields(spec.model, None if self.command_line is None else self.command_line.get(module, ()))
         if spec.init.hf is not None:
-            return registry[spec.kind].pretrained_config(module, spec.init.hf, dict(spec.model))
+            return registry[spec.kind].pretrained_config(module, spec.init.hf, given)
+        saved: dict[str, Any] = {}
+        if spec.init.checkpoint is not None:  # the model its run recorded, every field of it
+            saved = _saved_model(module, spec)
+            _refuse_disagreeing(module, spec.init.checkpoint, saved, given)
+        own = {name: value for name, value in spec.model.items() if name not in saved}
         try:
-            return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(registry[spec.kind].config), spec.model))
+            return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(registry[spec.kind].config), saved, own))
         except OmegaConfBaseException as err:
             raise _field_error(f"{module}.model", err) from None
 
@@ -191,7 +204,69 @@ ConfigStore.instance().store(group="hetero", name="module", node=ModuleConfig)
 ConfigStore.instance().store(group="hetero", name="batch", node=BatchConfig)
 ConfigStore.instance().store(group="hetero", name="train", node=TrainConfig)
 
-_TOP_LEVEL = tuple(f.name for f in fields(ExperimentConfig) if f.name != "modules")
+_TOP_LEVEL = tuple(f.name for f in fields(ExperimentConfig) if f.name not in ("modules", "command_line"))
+
+
+def _saved_model(module: str, spec: ModuleConfig) -> dict[str, Any]:
+    """The model config (``asdict``) that ``spec.init.checkpoint``'s run recorded for ``module`` in the
+    checkpoint's manifest. Only the manifest is read here: the job verifies every file before it loads the
+    weights (``hetero.train.checkpoint.check_module_sources``)."""
+    from hetero.train.checkpoint_files import MANIFEST
+
+    path = Path(str(spec.init.checkpoint))
+    where = f"{module}.init.checkpoint={path}"
+    if not (path / MANIFEST).is_file():
+        why = "does not exist" if not path.is_dir() else f"has no {MANIFEST}: it is not a complete hetero checkpoint"
+        raise ConfigError(f"{where}: checkpoint {path} {why}; pass a step_* directory of an earlier run")
+    try:
+        models = json.loads((path / MANIFEST).read_text())["identity"]["models"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{where}: {path / MANIFEST} is corrupt ({err}); pass another step_* directory") from None
+    if module not in models:
+        raise ConfigError(f"{where}: the checkpoint holds modules {sorted(models)}, not {module}")
+    if models[module]["kind"] != spec.kind:
+        raise ConfigError(f"{where}: saved for another {module} (kind: saved {models[module]['kind']!r}, "
+                          f"now {spec.kind!r})")
+    return models[module]["model"]
+
+
+def _agrees(saved: Any, given: Any) -> bool:
+    """Whether ``given`` restates ``saved`` (of a nested config such as ``rope_scaling``, the keys it gives)."""
+    if isinstance(saved, dict) and isinstance(given, dict):
+        return all(key in saved and _agrees(saved[key], value) for key, value in given.items())
+    return saved == given
+
+
+def _refuse_disagreeing(module: str, path: str, saved: dict[str, Any], given: Any) -> None:
+    """All the fields ``given`` states (``ModelFields.stated``) that disagree with the checkpoint's, in one error."""
+    from hetero.kinds.registry import disagreement
+
+    rows = [(name, value, saved[name]) for name, value in given.items()
+            if name in saved and not _agrees(saved[name], value) and given.stated(name)]
+    if rows:
+        raise disagreement(module, "init.checkpoint", f"the model saved in {path}", "the checkpoint", rows,
+                           given.command_line is not None)
+
+
+def _command_line_fields(overrides: list[str] | tuple[str, ...],
+                         modules: dict[str, ModuleConfig]) -> dict[str, list[str]]:
+    """Per module, the ``model:`` fields Hydra ``overrides`` set: ``llm.model.hidden_size=128`` (or a
+    nested key under it), ``llm.model={...}``, ``llm={model: {...}}``. A deletion (``~``) sets nothing."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    found: dict[str, set[str]] = {name: set() for name in modules}
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        parts = override.key_or_group.split(".")
+        if override.is_delete() or parts[0] not in found or (len(parts) > 1 and parts[1] != "model"):
+            continue
+        value = override.value()
+        if len(parts) > 2:
+            found[parts[0]].add(parts[2])
+        elif len(parts) == 2 and isinstance(value, dict):
+            found[parts[0]].update(value)
+        elif len(parts) == 1 and isinstance(value, dict) and isinstance(value.get("model"), dict):
+            found[parts[0]].update(value["model"])
+    return {name: sorted(names) for name, names in found.items()}
 
 
 def _one_line(err: Exception) -> str:
@@ -270,7 +345,9 @@ def split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
 
 def load_experiment(name_or_path: str = "", overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Compose an experiment with Hydra: a name from ``configs/experiment/``, a path to a YAML file, or
-    "" for the default experiment of ``configs/config.yaml``."""
+    "" for the default experiment of ``configs/config.yaml``. The ``model:`` fields ``overrides`` set are
+    recorded (``ExperimentConfig.command_line``): where ``init.hf`` or ``init.checkpoint`` gives a module's
+    sizes, those must agree with it, while the YAML's give way to it."""
     path = Path(name_or_path)
     if not name_or_path:
         config_dir, config_name, base = CONFIG_DIR, "config", []
@@ -293,4 +370,6 @@ def load_experiment(name_or_path: str = "", overrides: list[str] | tuple[str, ..
         if isinstance(err, OmegaConfBaseException) or type(err).__module__.startswith("hydra"):
             raise ConfigError(f"{name_or_path}: {_one_line(err)}") from None
         raise
-    return experiment_from_dict(raw)
+    experiment = experiment_from_dict(raw)
+    experiment.command_line = _command_line_fields(overrides, experiment.modules)
+    return experiment

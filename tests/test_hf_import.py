@@ -180,8 +180,9 @@ def test_init_hf_takes_the_sizes_from_the_checkpoint_and_refuses_others_that_dis
     config = experiment(1, {"llm": module("gpt", {"seq_len": 24}, {"dp": 1}, init={"hf": str(tmp_path)})},
                         global_batch=2, microbatches=1).model_config("llm")
     assert (config.seq_len, config.hidden_size, config.head_size, config.qk_norm) == (24, 32, 16, True)
-    with pytest.raises(ConfigError, match=r"llm\.model\.hidden_size=64 disagrees with llm\.init\.hf's config\.json, "
-                                          r"which gives 32; remove it or set it to that"):
+    with pytest.raises(ConfigError, match=r"llm\.init\.hf gives llm's sizes, and llm\.model disagrees with its "
+                                          r"config\.json on 1 field: llm\.model\.hidden_size=64 \(config\.json: 32\); "
+                                          r"remove it or set it to config\.json's value"):
         experiment(1, {"llm": module("gpt", {"hidden_size": 64}, {"dp": 1}, init={"hf": str(tmp_path)})},
                    global_batch=2, microbatches=1).model_config("llm")
     restated = {"seq_len": 24, "hidden_size": 32, "qk_norm": True, "num_kv_heads": 1}  # a shipped shape, checked

@@ -196,8 +196,9 @@ def test_init_hf_refuses_model_fields_and_checkpoints_that_do_not_fit(tmp_path):
     config = config_with()
     assert (config.class_token, config.pre_norm, config.patch_bias, config.activation, config.used_layers) == (
         True, True, False, "quick_gelu", 2)
-    with pytest.raises(ConfigError, match=r"vision\.model\.projector=True disagrees with vision\.init\.hf's "
-                                          r"config\.json, which gives False; remove it or set it to that"):
+    with pytest.raises(ConfigError, match=r"vision\.init\.hf gives vision's sizes, and vision\.model disagrees "
+                                          r"with its config\.json on 1 field: vision\.model\.projector=True "
+                                          r"\(config\.json: False\); remove it or set it to config\.json's value"):
         config_with({"projector": True})
     assert config_with({"feature_layer": -2, "hidden_size": 32, "class_token": True}) == config
     weights = load_file(tmp_path / "model.safetensors")

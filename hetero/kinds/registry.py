@@ -118,6 +118,38 @@ class StageResult:
     metrics: dict[str, Metric] = field(default_factory=dict)  # evaluation only
 
 
+class ModelFields(dict):
+    """A module's ``model:`` fields (name -> value) and which of them the command line set (``command_line``:
+    the Hydra overrides ``load_experiment`` was given; None where that is unknown, as for an experiment built
+    from a dict in code). Where a checkpoint gives the model's sizes (``init.hf``, ``init.checkpoint``), a field
+    of the experiment YAML that disagrees gives way to the checkpoint's value; one the command line set (or,
+    without ``command_line``, any one) is refused."""
+
+    def __init__(self, fields: dict[str, Any], command_line: Iterable[str] | None = None):
+        super().__init__(fields)
+        self.command_line = None if command_line is None else frozenset(command_line)
+
+    def stated(self, name: str) -> bool:
+        """Whether field ``name`` must agree with the checkpoint (else it gives way to the checkpoint's value)."""
+        return self.command_line is None or name in self.command_line
+
+
+def disagreement(module: str, source: str, against: str, short: str, rows: list[tuple[str, Any, Any]],
+                 command_line: bool) -> ConfigError:
+    """One error naming every ``model:`` field that disagrees with the checkpoint of ``{module}.{source}``
+    (``rows``: the field, its value, the checkpoint's; ``against``: what of the checkpoint gives the sizes,
+    ``short``: its name in each row), with the fix."""
+    one = len(rows) == 1
+    who = "the command line" if command_line else f"{module}.model"
+    fields = ", ".join(f"{module}.model.{name}={value!r} ({short}: {found!r})" for name, value, found in rows)
+    if command_line:
+        fix = "drop this override or set it to" if one else "drop these overrides or set each to"
+    else:
+        fix = "remove it or set it to" if one else "remove them or set each to"
+    return ConfigError(f"{module}.{source} gives {module}'s sizes, and {who} disagrees with {against} on "
+                       f"{len(rows)} field{'' if one else 's'}: {fields}; {fix} {short}'s value")
+
+
 class Kind:
     """The base of every module kind (see the module docstring); subclass it and register an instance."""
 
@@ -132,22 +164,28 @@ class Kind:
         return model
 
     def pretrained_config(self, module: str, path: str, fields: dict[str, Any]) -> Any:
-        """The model config of the Hugging Face checkpoint at ``path`` (``init.hf``), with the YAML's
-        ``model:`` ``fields`` (those a checkpoint leaves open, such as the training length)."""
+        """The model config of the Hugging Face checkpoint at ``path`` (``init.hf``), with the module's
+        ``model:`` ``fields`` (those a checkpoint leaves open, such as the training length; a ``ModelFields``
+        from ``ExperimentConfig.model_config``, which knows which of them the command line set)."""
         raise ConfigError(f"{module}.init.hf: {self.name} modules import no Hugging Face checkpoints; remove it")
 
     @staticmethod
     def check_given(module: str, config: Any, given: dict[str, Any], open_fields: set[str]) -> None:
-        """Refuse a YAML ``model:`` field that disagrees with the config read from ``init.hf`` (fields in
-        ``open_fields`` are the YAML's to set; the others may only restate the checkpoint's values)."""
+        """Refuse the ``model:`` fields that disagree with the config read from ``init.hf``, all in one
+        message (fields in ``open_fields`` are the module's to set; the checkpoint gives the others). Of a
+        ``ModelFields``, only those the command line set are refused: the experiment YAML's give way to the
+        checkpoint's values. Every field of a plain dict is the caller's own, so each that disagrees is refused."""
+        rows = []
         for name, value in given.items():
             if name in open_fields:
                 continue
             if not hasattr(config, name):
                 raise ConfigError(f"{module}.model.{name} is not a field of {type(config).__name__}")
-            if getattr(config, name) != value:
-                raise ConfigError(f"{module}.model.{name}={value!r} disagrees with {module}.init.hf's config.json, "
-                                  f"which gives {getattr(config, name)!r}; remove it or set it to that")
+            if getattr(config, name) != value and (not isinstance(given, ModelFields) or given.stated(name)):
+                rows.append((name, value, getattr(config, name)))
+        if rows:
+            raise disagreement(module, "init.hf", "its config.json", "config.json", rows,
+                               isinstance(given, ModelFields) and given.command_line is not None)
 
     def hf_export(self, config: Any, source: Any) -> Any:
         """How to write a model of ``config`` as a Hugging Face checkpoint (a ``hetero.interop.hf_checkpoint.HFExport``);

@@ -9,6 +9,16 @@ import sys
 from hetero.errors import ConfigError
 
 
+def registry():
+    """The registry of module kinds the commands build graphs of: the built-in kinds and the installed
+    packages' (``hetero.models.default_registry()``). Assembled here, at the entry point, and passed down:
+    the contract's packages never import ``hetero.models``. Other modules' commands get it as
+    ``args.registry()``."""
+    from hetero.models import default_registry
+
+    return default_registry()
+
+
 def _layout(args: argparse.Namespace) -> None:
     from hetero.config import load_experiment, split_config_and_overrides
     from hetero.graph import build_graph
@@ -17,7 +27,7 @@ def _layout(args: argparse.Namespace) -> None:
 
     name, overrides = split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
-    graph = build_graph(experiment)
+    graph = build_graph(experiment, registry())
     splits.open_sources(experiment, graph)
     description = rank_map(experiment, graph.placement, {name: graph.training(name) for name in graph.nodes})
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
@@ -33,7 +43,7 @@ def _train(args: argparse.Namespace) -> int:
     name, overrides = split_config_and_overrides(args.config)
     selection = [f"experiment={name}"] if name else []
     experiment = load_experiment(name, overrides)
-    graph = build_graph(experiment)
+    graph = build_graph(experiment, registry())
     splits.open_sources(experiment, graph)
     splits.prepare(experiment, graph)  # here, so that a directory holding something else stops no rank
     nproc = args.nproc or graph.placement.world_size
@@ -80,17 +90,18 @@ def _convert(args: argparse.Namespace) -> None:
     if args.llava:
         from hetero.interop.llava_export import convert_llava
 
-        out = convert_llava(args.checkpoint, args.out)
+        out = convert_llava(args.checkpoint, args.out, registry())
         print(f"wrote the VLM of {args.checkpoint} to {out} (Hugging Face LlavaForConditionalGeneration)")
         return
     from hetero.interop.hf_export import convert_checkpoint
 
-    out = convert_checkpoint(args.checkpoint, args.module, args.out)
+    out = convert_checkpoint(args.checkpoint, args.module, args.out, registry())
     print(f"wrote {args.module} of {args.checkpoint} to {out} (Hugging Face format)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetero", description=__doc__)
+    parser.set_defaults(registry=registry)
     commands = parser.add_subparsers(dest="command", required=True)
     layout = commands.add_parser(
         "layout",

@@ -163,13 +163,10 @@ class ExperimentConfig:
     # init.checkpoint gives the sizes, these must agree with it; the YAML's others give way to it.
     command_line: dict[str, list[str]] | None = None
 
-    def model_config(self, module: str, registry: KindRegistry | None = None) -> Any:
-        """The module's typed model config (e.g. ``GPTConfig``), of its kind in ``registry`` (default:
-        ``hetero.models.default_registry()``)."""
-        from hetero.models import default_registry
-
+    def model_config(self, module: str, registry: KindRegistry) -> Any:
+        """The module's typed model config (e.g. ``GPTConfig``), of its kind in ``registry`` (assembled at the
+        entry point, e.g. ``hetero.models.default_registry()``)."""
         spec = self.modules[module]
-        registry = registry or default_registry()
         if spec.kind not in registry:
             raise ConfigError(
                 f"{module}.kind={spec.kind!r} is not a known module kind; use one of {', '.join(registry.names())} "
@@ -288,11 +285,10 @@ def _refuse_targets(node: Any, where: str) -> None:
         for key, value in node.items():
             path = f"{where}.{key}" if where else str(key)
             if key == "_target_":
-                from hetero.models import default_registry
-
                 raise ConfigError(
                     f"{path}={value!r}: configs cannot name classes to instantiate; a module picks its model "
-                    f"from the registry of module kinds with kind: one of {', '.join(default_registry().names())}"
+                    f"from the registry of module kinds with kind: (a built-in kind such as gpt or vit, or one "
+                    f"registered with hetero.kinds.KindRegistry.register or the entry point group hetero.kinds)"
                 )
             _refuse_targets(value, path)
     elif isinstance(node, list):

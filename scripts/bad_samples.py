@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hetero.config import load_experiment
 from hetero.data.sample_batches import DataError
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph  # the built-in kinds
 from hetero.testing.bad_samples import write_cases
 from hetero.data.splits import load
 

@@ -15,7 +15,7 @@ import torch
 
 from hetero.config import OptimizerConfig
 from hetero.models.gpt.config import GPTConfig
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime  # the built-in kinds
 from hetero.testing.experiments import experiment, module
 from hetero.testing.megatron_cpu import megatron_on_cpu
 from hetero.testing.multiprocess import run_ranks

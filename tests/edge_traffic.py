@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from boundary_oracle import Case, ideal_bytes
 from hetero.config import ExperimentConfig
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.graph.graph import Edge, Graph
 from hetero.parallel.boundary import Side, TensorSpec
 from hetero.parallel.sharding import Rows

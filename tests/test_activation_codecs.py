@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hetero.config import load_experiment
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.errors import ConfigError
 from hetero.parallel.compression.activation_codecs import BlockQuant, build_activation_codec, payload_bytes
 from hetero.parallel.compression.edge import EdgeEnd

@@ -19,7 +19,7 @@ from hetero.models.gpt.config import GPTConfig
 from hetero.models.projector.config import ProjectorConfig
 from hetero.models.video.config import VideoConfig
 from hetero.models.vit.config import ViTConfig
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 

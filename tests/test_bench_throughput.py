@@ -11,7 +11,7 @@ import pytest
 from hetero.bench.throughput import scaled_overrides
 from hetero.cli import main
 from hetero.config import load_experiment
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.errors import ConfigError
 
 # colocated_vlm on 2 ranks: vision dp2, the LLM tp2 on both ranks; one microbatch of 8 per step.

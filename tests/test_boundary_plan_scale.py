@@ -89,7 +89,7 @@ def test_plans_at_16k_ranks_cover_each_sampled_rank_exactly_once():
     import math
 
     from hetero.bench.scale import full_graph, long_context_vlm, random_counts
-    from hetero.graph import build_graph
+    from hetero.testing.kinds import build_graph
     from hetero.parallel.boundary_plan import Side, TensorSpec
 
     rng = random.Random(3)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hetero.config import load_experiment
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.errors import ConfigError
 from hetero.train.checkpoint import (
     CheckpointConfig,

@@ -28,9 +28,9 @@ from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.edge import EdgeEnd
 from hetero.parallel.compression.edge_config import ActivationCodecConfig, EdgeCompressionConfig
 from hetero.config import CheckpointConfig, OptimizerConfig
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.parallel.layout import Layout
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.runtime.module import build_adamw
 from hetero.testing.experiments import experiment, module, module_grads
 from hetero.testing.multiprocess import run_ranks

@@ -14,8 +14,8 @@ from hetero.models.gpt.config import GPTConfig
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
 from hetero.parallel.compression.diloco import _split_evenly
 from hetero.config import CheckpointConfig, OptimizerConfig
-from hetero.graph import build_graph
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_graph
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.train.checkpoint import Checkpointer

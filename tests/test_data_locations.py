@@ -10,7 +10,7 @@ from pathlib import Path
 from hetero.bench import genezip
 from hetero.config import load_experiment
 from hetero.data.shards import write_shard_set
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.data import splits
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "experiment").glob("*.yaml"))

@@ -10,7 +10,7 @@ from hetero.config import OptimizerConfig
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
 from hetero.parallel.compression.edge_config import ActivationCodecConfig, EdgeCompressionConfig
 from hetero.parallel.options import ParallelOptions
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from test_graph_parity import DNA, LLM, VIDEO, VISION, batches as graph_batches

@@ -17,7 +17,7 @@ from hetero.models.gpt.model import token_loss_sum
 from hetero.testing.references import IMAGE_TOKEN, RegionBudgetSteps, VisionDnaLanguageModel
 from hetero.models.vit.config import ViTConfig
 from hetero.config import OptimizerConfig
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import check_parity, record_reference, record_run

@@ -14,7 +14,7 @@ from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.vit.config import ViTConfig
 from hetero.models.vit.model import VisionEncoder
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_parity, record_reference, record_run

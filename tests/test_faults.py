@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from hetero.config import load_experiment
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.train.checkpoint import check_resumable
 from hetero.train.checkpoint_files import complete_checkpoints
 from hetero.train.job import run_identity

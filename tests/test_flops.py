@@ -1,16 +1,15 @@
-"""Model FLOPs (hetero.kinds.flops) against closed forms computed here and against torch's flop counter."""
+"""Model FLOPs (hetero.kinds.flops; each kind's closed form in its folder, reached through
+``Kind.forward_flops``) against closed forms computed here and against torch's flop counter."""
 
 from dataclasses import replace
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetero.kinds.flops import (
-    TRAINING_MULTIPLIER,
-    counted_forward_flops,
-    gpt_forward_flops_per_token,
-    vit_forward_flops_per_image,
-)
+from hetero.kinds.flops import TRAINING_MULTIPLIER, counted_forward_flops
+from hetero.models import default_registry
+from hetero.models.gpt.flops import gpt_forward_flops_per_token
+from hetero.models.vit.flops import vit_forward_flops_per_image
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.vit.model import VisionEncoder
@@ -86,3 +85,18 @@ def test_planner_prices_experts_by_the_units_a_token_uses():
     assert view.ffn == 3 * 64 and view.idle_ffn == 4 * 64
     assert view.params == describe("llm", "gpt", replace(moe, num_experts=0, ffn_hidden_size=7 * 64)).params
     assert view.model_flops_per_sample == TRAINING_MULTIPLIER * moe.seq_len * gpt_forward_flops_per_token(moe)
+
+
+def test_each_kind_brings_its_flops_through_the_registry():
+    """``Kind.forward_flops``: one sample's forward by the kind's closed form (a GPT's row, a tower's or a
+    projector's image); None for the kinds counted with torch's flop counter instead."""
+    kinds = default_registry()
+    llm = GPTConfig(vocab_size=200, hidden_size=64, num_layers=2, num_heads=8, ffn_hidden_size=160, seq_len=48)
+    assert kinds["gpt"].forward_flops(llm) == llm.seq_len * gpt_forward_flops_per_token(llm)
+    tower = ViTConfig(image_size=16, patch_size=4, channels=3, hidden_size=32, num_layers=3, num_heads=4, out_size=48)
+    assert kinds["vit"].forward_flops(tower) == vit_forward_flops_per_image(tower)
+    projector = kinds["projector"].config(in_size=32, out_size=48, tokens=16)
+    model = kinds["projector"].build(projector)
+    assert kinds["projector"].forward_flops(projector) == counted_forward_flops(model, torch.randn(1, 16, 32))
+    assert kinds["genezip"].forward_flops(kinds["genezip"].config()) is None
+    assert kinds["video"].forward_flops(kinds["video"].config()) is None

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from hetero.errors import ConfigError
-from hetero.graph.build import build_graph
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_graph
+from hetero.testing.kinds import build_runtime
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import check_parity, record_run
 from test_frozen_parity import FROZEN, NOT_COLOCATED, is_frozen

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hetero.errors import ConfigError
-from hetero.graph.build import build_graph
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_graph
+from hetero.testing.kinds import build_runtime
 from hetero.runtime.schedule import check_schedule
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import check_parity, record_run

@@ -14,7 +14,7 @@ from hetero.models.genezip.config import GeneZipConfig
 from hetero.models.genezip.model import BoundaryRouter, GeneZip
 from hetero.models.genezip.objectives import genezip_loss
 from hetero.parallel.options import ParallelOptions
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, load_weights, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_bf16_parity, check_parity, record_reference, record_run

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from hetero.parallel.compression.collective import all_reduce_wire_bytes
 from hetero.parallel.options import ParallelOptions
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from test_gpt_parity import CONFIG, batches

@@ -12,7 +12,7 @@ import pytest
 
 from hetero.config import load_experiment
 from hetero.errors import ConfigError
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 
 # int8 activations on every edge, int4 or int8 gradients back, per-sample error compensation on two of
 # them; int8 error feedback for the vision encoder's gradient sync and top-k (10%) with error feedback for

@@ -12,6 +12,7 @@ import transformers
 
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint
+from hetero.models import default_registry
 from hetero.models.gpt.hf import gpt_config, load_gpt
 from hetero.models.gpt.model import GPT
 
@@ -96,7 +97,7 @@ def test_a_config_hetero_does_not_model_is_refused_by_name(changes, message):
 
 
 def evaluated(rank, world_size, path, layout, batch):
-    from hetero.runtime import build_runtime
+    from hetero.testing.kinds import build_runtime
     from hetero.testing.experiments import experiment, module
 
     block = module("gpt", {"seq_len": batch["tokens"].shape[1]}, layout, init={"hf": str(path)})
@@ -178,23 +179,23 @@ def test_init_hf_takes_the_sizes_from_the_checkpoint_and_refuses_others_that_dis
 
     saved(tmp_path, *CASES["qwen3: q/k norm, head_dim 16 (not hidden / heads)"])
     config = experiment(1, {"llm": module("gpt", {"seq_len": 24}, {"dp": 1}, init={"hf": str(tmp_path)})},
-                        global_batch=2, microbatches=1).model_config("llm")
+                        global_batch=2, microbatches=1).model_config("llm", default_registry())
     assert (config.seq_len, config.hidden_size, config.head_size, config.qk_norm) == (24, 32, 16, True)
     with pytest.raises(ConfigError, match=r"llm\.init\.hf gives llm's sizes, and llm\.model disagrees with its "
                                           r"config\.json on 1 field: llm\.model\.hidden_size=64 \(config\.json: 32\); "
                                           r"remove it or set it to config\.json's value"):
         experiment(1, {"llm": module("gpt", {"hidden_size": 64}, {"dp": 1}, init={"hf": str(tmp_path)})},
-                   global_batch=2, microbatches=1).model_config("llm")
+                   global_batch=2, microbatches=1).model_config("llm", default_registry())
     restated = {"seq_len": 24, "hidden_size": 32, "qk_norm": True, "num_kv_heads": 1}  # a shipped shape, checked
     assert experiment(1, {"llm": module("gpt", restated, {"dp": 1}, init={"hf": str(tmp_path)})},
-                      global_batch=2, microbatches=1).model_config("llm") == config
+                      global_batch=2, microbatches=1).model_config("llm", default_registry()) == config
     with pytest.raises(ConfigError, match=r"dna\.init\.hf: genezip modules import no Hugging Face checkpoints"):
         experiment(1, {"dna": module("genezip", {}, {"dp": 1}, init={"hf": str(tmp_path)})},
-                   global_batch=2, microbatches=1).model_config("dna")
+                   global_batch=2, microbatches=1).model_config("dna", default_registry())
     with pytest.raises(ConfigError, match=r"vision\.init\.hf config\.json: architectures=\['Qwen3ForCausalLM'\] is "
                                           r"not one hetero imports as a vision tower"):
         experiment(1, {"vision": module("vit", {}, {"dp": 1}, init={"hf": str(tmp_path)})},
-                   global_batch=2, microbatches=1).model_config("vision")
+                   global_batch=2, microbatches=1).model_config("vision", default_registry())
 
 
 def test_a_weight_the_gpt_has_no_place_for_or_lacks_is_refused(tmp_path):
@@ -208,7 +209,7 @@ def test_a_weight_the_gpt_has_no_place_for_or_lacks_is_refused(tmp_path):
     def config_with(tensors):
         save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
         return experiment(1, {"llm": module("gpt", {}, {"dp": 1}, init={"hf": str(tmp_path)})},
-                          global_batch=2, microbatches=1).model_config("llm")
+                          global_batch=2, microbatches=1).model_config("llm", default_registry())
 
     with pytest.raises(ConfigError, match=r"weights layers\.0\.attention\.wo\.bias have no place in this GPT"):
         config_with(weights | {"model.layers.0.self_attn.o_proj.bias": torch.zeros(SIZES["hidden_size"])})

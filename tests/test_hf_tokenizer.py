@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hetero.data.text import decode, load_stdlib_corpus
 from hetero.errors import ConfigError
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.testing.experiments import experiment, module
 from hetero.data import splits
 

@@ -14,6 +14,7 @@ import transformers
 
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint
+from hetero.models import default_registry
 from hetero.models.vit.hf import check_weights, load_vit, passed_over, vit_config
 from hetero.models.vit.model import VisionEncoder
 
@@ -83,7 +84,7 @@ def loaded_under(rank, world_size, path, layout, fsdp, feature_layer, out):
     import torch.distributed as dist
 
     from hetero.interop.hf_export import export_hf
-    from hetero.runtime import build_runtime
+    from hetero.testing.kinds import build_runtime
     from hetero.testing.experiments import experiment, module
 
     vision = module("vit", {"feature_layer": feature_layer}, layout, init={"hf": str(path)},
@@ -191,7 +192,7 @@ def test_init_hf_refuses_model_fields_and_checkpoints_that_do_not_fit(tmp_path):
             path = tmp_path / "config.json"
             path.write_text(json.dumps(json.loads(path.read_text()) | config_changes))
         block = module("vit", model or {"feature_layer": -2}, {"dp": 1}, init={"hf": str(tmp_path)})
-        return experiment(1, {"vision": block}, global_batch=2, microbatches=1).model_config("vision")
+        return experiment(1, {"vision": block}, global_batch=2, microbatches=1).model_config("vision", default_registry())
 
     config = config_with()
     assert (config.class_token, config.pre_norm, config.patch_bias, config.activation, config.used_layers) == (

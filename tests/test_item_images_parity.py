@@ -19,7 +19,7 @@ import torch
 from hetero.config import OptimizerConfig
 from hetero.data.digits import IGNORE_INDEX
 from hetero.errors import ConfigError
-from hetero.graph.build import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.models import default_registry
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.model import GPT, token_loss_sum
@@ -27,7 +27,7 @@ from hetero.models.projector.config import ProjectorConfig
 from hetero.models.projector.model import MLPProjector
 from hetero.models.vit.config import ViTConfig
 from hetero.models.vit.model import VisionEncoder
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.runtime.rows import StepRows
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks

@@ -109,7 +109,7 @@ def logits_of(runtime, batch):
 
 def imported_trained_exported(rank, world_size, path, batch, untrained, trained):
     from hetero.interop.llava_export import export_llava
-    from hetero.runtime import build_runtime
+    from hetero.testing.kinds import build_runtime
 
     runtime = build_runtime(graph(path, 3))
     before = logits_of(runtime, batch)
@@ -121,7 +121,7 @@ def imported_trained_exported(rank, world_size, path, batch, untrained, trained)
 
 
 def reimported(rank, world_size, path, batch):
-    from hetero.runtime import build_runtime
+    from hetero.testing.kinds import build_runtime
 
     return logits_of(build_runtime(graph(path, 0)), batch)
 

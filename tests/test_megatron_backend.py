@@ -16,14 +16,14 @@ pytest.importorskip("megatron.core")
 
 from hetero.config import CheckpointConfig, OptimizerConfig  # noqa: E402
 from hetero.errors import ConfigError  # noqa: E402
-from hetero.graph.build import build_graph  # noqa: E402
+from hetero.testing.kinds import build_graph  # noqa: E402
 from hetero.interop.hf_checkpoint import HFCheckpoint  # noqa: E402
 from hetero.interop.hf_export import export_hf  # noqa: E402
 from hetero.models.gpt.config import GPTConfig, RopeScaling  # noqa: E402
 from hetero.models.gpt.megatron_names import is_expert, megatron_shards, native_tensors  # noqa: E402
 from hetero.models.gpt.model import GPT  # noqa: E402
 from hetero.parallel.options import ParallelOptions  # noqa: E402
-from hetero.runtime import build_runtime  # noqa: E402
+from hetero.testing.kinds import build_runtime  # noqa: E402
 from hetero.testing.experiments import experiment, module  # noqa: E402
 from hetero.testing.megatron_cpu import megatron_on_cpu  # noqa: E402
 from hetero.testing.multiprocess import run_ranks  # noqa: E402

@@ -22,7 +22,7 @@ from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.model import token_loss_sum
 from hetero.models.vit.config import ViTConfig
 from hetero.parallel.options import ParallelOptions
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.runtime.rows import StepRows
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
@@ -163,7 +163,7 @@ def test_native_resolution_parity(case, expected):
 def test_vision_replicas_split_images_by_patch_count():
     """Each microbatch's images over vision dp4: by patch count the largest replica holds at most the
     mean plus one image's patches (greedy largest-first), and the split covers every image once."""
-    from hetero.graph.build import build_graph
+    from hetero.testing.kinds import build_graph
 
     graph = build_graph(vlm_experiment(4, {"vision": {"dp": 4}, "llm": {"dp": 4}}, {}))
     for batch in batches():

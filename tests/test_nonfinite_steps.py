@@ -15,7 +15,7 @@ from hetero.config import load_experiment
 from hetero.models.gpt.spec import GPTKind
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
 from hetero.parallel.data import local_data
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.train.run_log import RunLog

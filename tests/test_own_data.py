@@ -15,7 +15,7 @@ from hetero.data.chat import ChatTokenizer
 from hetero.data.digits import IGNORE_INDEX
 from hetero.data.example import write_llava, write_webdataset
 from hetero.data.sample_batches import DataError
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.testing.bad_samples import write_cases
 from hetero.data.splits import load
 

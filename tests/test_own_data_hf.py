@@ -11,7 +11,7 @@ from PIL import Image
 
 from hetero.config import load_experiment
 from hetero.data.example import write_llava
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.data.splits import load
 
 from test_chat_tokens import QWEN2_TEMPLATE, save_tokenizer, template_ids

@@ -9,7 +9,7 @@ import yaml
 
 from hetero.cli import main
 from hetero.config import load_experiment
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.errors import ConfigError
 from hetero.models.gpt.config import GPTConfig
 from hetero.plan.cluster import ClusterSpec, DeviceSpec, LinkSpec, cluster_from_dict, load_cluster

@@ -14,7 +14,7 @@ from test_hf_import import saved
 
 from hetero.config import load_experiment
 from hetero.errors import ConfigError
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.models import default_registry
 from hetero.models.genezip.config import GeneZipConfig
 from hetero.train.checkpoint_files import FORMAT, MANIFEST

@@ -15,7 +15,7 @@ from hetero.models.projector.config import ProjectorConfig
 from hetero.models.projector.model import MLPProjector
 from hetero.models.vit.config import ViTConfig
 from hetero.models.vit.model import VisionEncoder
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import check_parity, record_reference, record_run

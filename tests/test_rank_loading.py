@@ -8,7 +8,7 @@ import torch
 
 from hetero.config import load_experiment
 from hetero.data.example import write_llava, write_webdataset
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.data.digits import IGNORE_INDEX
 from hetero.runtime.rows import rank_reads
 from hetero.data.splits import load

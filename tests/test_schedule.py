@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from hetero.errors import ConfigError
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.video.config import VideoConfig
 from hetero.models.video.memory import MemoryConfig

@@ -10,7 +10,7 @@ process: ``test_vlm_parity`` ("... one 1F1B over the graph").
 """
 
 from hetero.parallel.pipeline import StageLink
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.multiprocess import run_ranks
 from test_vlm_parity import batches, vlm_experiment
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hetero.bench.scale import gloo_store_requests, joined_groups
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.vit.config import ViTConfig
 from hetero.parallel.boundary import Boundary

@@ -12,7 +12,7 @@ from hetero.config import load_experiment
 from hetero.data.example import write_llava
 from hetero.data.loader import StepLoader
 from hetero.data.sample_batches import DataError
-from hetero.graph import build_graph
+from hetero.testing.kinds import build_graph
 from hetero.testing.bad_samples import write_cases
 from hetero.data.splits import load
 

@@ -186,7 +186,7 @@ def test_a_round_that_fails_is_dropped_and_the_next_one_commits(method):
 def runtime_over_torchft(rank: int, world_size: int, steps: int) -> dict:
     from test_compression_training import CONFIG, OPTIM, batches, step, weights
 
-    from hetero.runtime import build_runtime
+    from hetero.testing.kinds import build_runtime
     from hetero.testing.experiments import experiment, module
 
     compression = CompressionConfig(diloco=DiLoCoConfig(inner_steps=2))

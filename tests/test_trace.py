@@ -10,7 +10,7 @@ import torch
 
 from test_vlm_parity import batches, vlm_experiment
 
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.runtime.trace import write_chrome_trace
 from hetero.testing.multiprocess import run_ranks
 

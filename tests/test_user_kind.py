@@ -21,7 +21,7 @@ from hetero.models.gpt.config import GPTConfig  # noqa: E402
 from hetero.models.gpt.model import GPT, token_loss_sum  # noqa: E402
 from hetero.models.vit.config import ViTConfig  # noqa: E402
 from hetero.models.vit.model import VisionEncoder  # noqa: E402
-from hetero.runtime import build_runtime  # noqa: E402
+from hetero.testing.kinds import build_runtime  # noqa: E402
 from hetero.testing.experiments import experiment, module  # noqa: E402
 from hetero.testing.multiprocess import run_ranks  # noqa: E402
 from hetero.testing.parity import Record, check_parity, record_reference, record_run  # noqa: E402

@@ -13,7 +13,7 @@ from hetero.models.video.config import VideoConfig
 from hetero.models.video.memory import MemoryConfig
 from hetero.models.video.spec import VideoModule, clip_losses
 from hetero.parallel.options import ParallelOptions
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_bf16_parity, check_parity, record_reference, record_run

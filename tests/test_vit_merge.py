@@ -13,14 +13,15 @@ import torch
 from hetero.config import OptimizerConfig
 from hetero.data.digits import IGNORE_INDEX
 from hetero.errors import ConfigError
-from hetero.graph.build import build_graph
-from hetero.kinds.flops import counted_forward_flops, vit_forward_flops_per_image
+from hetero.testing.kinds import build_graph
+from hetero.kinds.flops import counted_forward_flops
+from hetero.models.vit.flops import vit_forward_flops_per_image
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.vit.config import ViTConfig
 from hetero.models.vit.model import VisionEncoder
 from hetero.plan.cost import describe
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import check_parity, record_reference, record_run

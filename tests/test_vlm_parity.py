@@ -19,7 +19,7 @@ from hetero.config import OptimizerConfig
 from hetero.models.gpt.model import token_loss_sum
 from hetero.models.vit.config import ViTConfig
 from hetero.parallel.options import ParallelOptions
-from hetero.runtime import build_runtime
+from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import check_bf16_parity, Record, check_parity, record_reference, record_run

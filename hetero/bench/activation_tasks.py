@@ -25,6 +25,7 @@ from hetero.bench.compression_tasks import GLOBAL_BATCH, HELDOUT_BATCHES, TEXT_M
 from hetero.config import load_experiment
 from hetero.data.digits import DigitBatches
 from hetero.data.text import WindowSet, heldout_batches, load_stdlib_corpus
+from hetero.models import default_registry
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 from hetero.runtime import build_runtime
@@ -52,7 +53,7 @@ def run_llm_pp2(rank: int, world_size: int, methods: list[Method], seed: int, st
         blocks = {"llm": module("gpt", TEXT_MODEL, {"pp": world_size}, text_optim(steps), compression=compression)}
         runtime = build_runtime(experiment(world_size, blocks, global_batch=GLOBAL_BATCH,
                                            microbatches=GLOBAL_BATCH // LM_MICRO_BATCH, seed=seed,
-                                           train={"sample_reuse": method.reuse}))
+                                           train={"sample_reuse": method.reuse}), default_registry())
         for step in range(steps):
             tokens, labels, ids = train.batch(step // method.reuse, GLOBAL_BATCH)
             runtime.train_step({"tokens": tokens, "labels": labels, "index": ids})
@@ -76,7 +77,8 @@ def vlm_experiment(steps: int):
 
 def run_vlm(rank: int, world_size: int, methods: list[Method], seed: int, steps: int) -> dict[str, dict]:
     base = vlm_experiment(steps)
-    vision, llm = base.model_config("vision"), base.model_config("llm")
+    kinds = default_registry()
+    vision, llm = base.model_config("vision", kinds), base.model_config("llm", kinds)
     data_dir = base.train.data_dir
     train = DigitBatches(data_dir, "train", GLOBAL_BATCH, vision.num_patches, llm.seq_len, seed)
     heldout = DigitBatches(data_dir, "heldout", GLOBAL_BATCH, vision.num_patches, llm.seq_len, seed).ordered_batches()
@@ -85,7 +87,7 @@ def run_vlm(rank: int, world_size: int, methods: list[Method], seed: int, steps:
     for method in methods:
         edge = replace(base.edges[0], compression=method.edge or EdgeCompressionConfig())
         config = replace(base, seed=seed, edges=[edge], train=replace(base.train, sample_reuse=method.reuse))
-        runtime = build_runtime(config)
+        runtime = build_runtime(config, default_registry())
         for step in range(steps):
             runtime.train_step(train.batch(step // method.reuse))
         boundary = runtime.edges["vision->llm"]

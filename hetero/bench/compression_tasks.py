@@ -24,6 +24,7 @@ from hetero.bench.ddp_powersgd_peer import AllReduceCounter, ddp_with_powersgd
 from hetero.config import OptimizerConfig, load_experiment
 from hetero.data.digits import DigitBatches, dp_rows, ensure_digit_shards
 from hetero.data.text import VOCAB_SIZE, heldout_batches, load_stdlib_corpus, sample_batch
+from hetero.models import default_registry
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.config import GPTConfig
 from hetero.testing.references import VisionLanguageModel
@@ -59,7 +60,8 @@ def run_text(rank: int, world_size: int, method: Method, seed: int, steps: int, 
 
     if method.engine == "hetero":
         blocks = {"llm": module("gpt", TEXT_MODEL, {"dp": world_size}, optim, compression=method.compression)}
-        runtime = build_runtime(experiment(world_size, blocks, global_batch=GLOBAL_BATCH, microbatches=1, seed=seed))
+        runtime = build_runtime(experiment(world_size, blocks, global_batch=GLOBAL_BATCH, microbatches=1, seed=seed),
+                                default_registry())
         sync = runtime.modules["llm"].replica_sync
         residual = []
         for step in range(steps):
@@ -99,14 +101,15 @@ def vlm_experiment(world_size: int, method: Method, steps: int):
 
 def run_vlm(rank: int, world_size: int, method: Method, seed: int, steps: int, log_every: int) -> dict:
     config = replace(vlm_experiment(world_size, method, steps), seed=seed)
-    vision, llm = config.model_config("vision"), config.model_config("llm")
+    kinds = default_registry()
+    vision, llm = config.model_config("vision", kinds), config.model_config("llm", kinds)
     data_dir = config.train.data_dir
     train = DigitBatches(data_dir, "train", GLOBAL_BATCH, vision.num_patches, llm.seq_len, seed)
     heldout = DigitBatches(data_dir, "heldout", GLOBAL_BATCH, vision.num_patches, llm.seq_len, seed).ordered_batches()
     clip = config.train.grad_clip
 
     if method.engine == "hetero":
-        runtime = build_runtime(config)
+        runtime = build_runtime(config, default_registry())
         residual = []
         for step in range(steps):
             runtime.train_step(train.batch(step))

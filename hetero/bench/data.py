@@ -39,6 +39,7 @@ from hetero.config import experiment_from_dict, load_experiment
 from hetero.data.example import write_llava
 from hetero.data.splits import load
 from hetero.graph import build_graph
+from hetero.models import default_registry
 from hetero.runtime.rows import StepRows, rank_reads
 
 SIX_RANKS = ["world_size=6", "vision.layout.dp=4", "projector.layout.dp=4", "llm.layout.tp=1", "llm.layout.dp=2",
@@ -50,7 +51,7 @@ def rank_loader(path: Path, rank: int, per_rank: bool, steps: int) -> dict:
     """Rank ``rank``'s loader over ``steps`` steps: per step, the images it decoded, their KB, the samples
     it tokenized and the ms it took to build a batch."""
     experiment = load_experiment("own_data_vlm", [f"train.data.path={path}", *SIX_RANKS])
-    graph = build_graph(experiment)
+    graph = build_graph(experiment, default_registry())
     batches = load(experiment, graph, "train")
     reads = rank_reads(graph, experiment.num_microbatches("vision", 4), rank) if per_rank else None
     start = time.perf_counter()
@@ -85,7 +86,7 @@ def plan_world(world: int):
                       "layout": {"dp": half}, "micro_batch_size": 2},
         "edges": [{"src": "vision", "dst": "projector"}, {"src": "projector", "dst": "llm"}],
     })
-    graph = build_graph(experiment)
+    graph = build_graph(experiment, default_registry())
     meta = {"tokens": torch.zeros(rows, SEQ_LEN, dtype=torch.long), "image_row": torch.arange(rows),
             "image_start": torch.zeros(rows, dtype=torch.long)}
     return graph, meta
@@ -126,7 +127,7 @@ def balance(path: Path, steps: int) -> dict[str, list[float]]:
     config = Path(tempfile.mkdtemp(prefix="bench_data.")) / "data_balance.yaml"
     config.write_text(NATIVE.format(path=path))
     experiment = load_experiment(str(config))
-    graph = build_graph(experiment)
+    graph = build_graph(experiment, default_registry())
     batches, ratios = load(experiment, graph, "train"), {"patches": [], "count": []}
     for step in range(steps):
         none = torch.zeros(0, dtype=torch.long)

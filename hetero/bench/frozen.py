@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hetero.bench.ranks import each_rank
 from hetero.config import ExperimentConfig, load_experiment
 from hetero.data.example import write_llava
+from hetero.models import default_registry
 
 PLACEMENT = ["projector.layout.offset=2"]  # the tower alone on ranks 0-1
 AHEAD = ["vision.parallel.forward_ahead=2"]
@@ -49,7 +50,7 @@ def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int
     from hetero.runtime import build_runtime
     from hetero.train.job import communicator_bytes
 
-    runtime = build_runtime(experiment)
+    runtime = build_runtime(experiment, default_registry())
     data = load_splits(experiment, runtime.graph, ("train",))["train"]
     times, before, seconds = [], {}, {}
     for step in range(warmup + steps):

@@ -36,6 +36,7 @@ from hetero.bench.device_peaks import hbm_bandwidth_gbs, local_device_peak_tflop
 from hetero.bench.throughput import absolute_paths
 from hetero.config import load_experiment
 from hetero.graph import build_graph
+from hetero.models import default_registry
 
 JOBS = {"LLM": "text_lm", "VLM": "colocated_vlm", "MoE-VLM": "moe_vlm", "DNA-VLM": "dna_vlm", "video": "video",
         "GeneZip": "genezip", "full graph": "full_graph"}
@@ -56,7 +57,7 @@ def one_rank_overrides(name: str, precision: str) -> list[str]:
     """``name``'s experiment on one rank: every module's degrees 1, at rank 0, under ``precision``, each
     microbatch as many rows as all its replicas' were."""
     experiment = load_experiment(name)
-    layouts = build_graph(experiment).placement.layouts
+    layouts = build_graph(experiment, default_registry()).placement.layouts
     overrides = ["world_size=1"]
     for module in experiment.modules:
         overrides += [f"{module}.layout.{axis}=1" for axis in ("tp", "cp", "dp", "pp", "ep")]
@@ -73,7 +74,8 @@ def train_job(name: str, steps: int, device: torch.device, overrides: Sequence[s
     from hetero.data.splits import load_splits
 
     experiment = absolute_paths(load_experiment(name, one_rank_overrides(name, "bf16") + list(overrides)))
-    runtime = build_runtime(experiment)  # on the device the backend serves: cuda:LOCAL_RANK under NCCL
+    # on the device the backend serves: cuda:LOCAL_RANK under NCCL
+    runtime = build_runtime(experiment, default_registry())
     assert runtime.device.type == device.type, f"the runtime is on {runtime.device}, the check asked for {device}"
     data = load_splits(experiment, runtime.graph, ("train",))["train"]
     losses, times = [], []
@@ -161,7 +163,8 @@ def kernel_rows(device: torch.device, numel: int) -> list[Row]:
 def gpt_rows(device: torch.device, layers: int) -> list[Row]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from hetero.kinds.flops import TRAINING_MULTIPLIER, gpt_forward_flops_per_token
+    from hetero.kinds.flops import TRAINING_MULTIPLIER
+    from hetero.models.gpt.flops import gpt_forward_flops_per_token
     from hetero.models.gpt.config import GPTConfig
     from hetero.models.gpt.model import GPT, token_loss_sum
 
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)
     started = time.perf_counter()
-    init_distributed(build_graph(load_experiment("text_lm", one_rank_overrides("text_lm", "bf16"))).placement)
+    experiment = load_experiment("text_lm", one_rank_overrides("text_lm", "bf16"))
+    init_distributed(build_graph(experiment, default_registry()).placement)
     rows = [job_row(label, name, args.steps, device) for label, name in JOBS.items()]
     rows += kernel_rows(device, args.kernel_numel)
     rows += gpt_rows(device, args.gpt_layers)

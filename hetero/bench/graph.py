@@ -26,6 +26,7 @@ from hetero.bench.throughput import absolute_paths
 from hetero.config import ExperimentConfig, load_experiment
 from hetero.graph import build_graph
 from hetero.bench.ranks import each_rank
+from hetero.models import default_registry
 
 PLACEMENTS = ("full_graph", "full_graph_colocated")
 
@@ -36,7 +37,7 @@ def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int
     from hetero.data.splits import load_splits
     from hetero.train.job import communicator_bytes, module_seconds
 
-    trainer = build_runtime(experiment)
+    trainer = build_runtime(experiment, default_registry())
     data = load_splits(experiment, trainer.graph, ("train",))
     times: list[float] = []
     bytes_before: dict[str, int] = {}
@@ -63,7 +64,7 @@ def run(steps: int, warmup: int, overrides: list[str]) -> dict[str, dict[str, An
     results = {}
     for name in PLACEMENTS:
         experiment = absolute_paths(load_experiment(name, overrides))
-        placement = build_graph(experiment).placement
+        placement = build_graph(experiment, default_registry()).placement
         per_rank = each_rank(measure, experiment, steps, warmup)
         if per_rank is None:
             continue

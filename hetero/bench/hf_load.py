@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from hetero.models import default_registry
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.hf import gpt_weights, hf_config, weight_names
 from hetero.models.gpt.model import GPT
@@ -79,7 +80,7 @@ def load_on_rank(rank: int, world_size: int, path: str, seq_len: int) -> dict[st
         config = experiment(world_size, {"llm": block}, global_batch=1, microbatches=1)
         Path("/proc/self/clear_refs").write_text("5")  # the peak resident set restarts from the current one
         before = _status_kib("VmRSS")
-        runtime = build_runtime(config)
+        runtime = build_runtime(config, default_registry())
         rises.append((_status_kib("VmHWM") - before) * 1024)
     state = runtime.modules["llm"]
     held = sum(local_data(p).numel() * p.element_size() for p in state.model.parameters())

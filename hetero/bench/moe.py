@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from hetero.config import OptimizerConfig
 from hetero.data.text import load_stdlib_corpus
-from hetero.kinds.flops import active_ffn_size
+from hetero.models import default_registry
 from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.flops import active_ffn_size
 from hetero.models.gpt.moe import MoEFeedForward
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module
@@ -77,7 +78,8 @@ def on_rank(rank: int, world_size: int, models: dict[str, GPTConfig], steps: int
     for name, config in models.items():
         layout = {"dp": world_size} | ({"ep": world_size} if name == "moe" else {})
         blocks = {"llm": module("gpt", config, layout, OptimizerConfig(lr=1e-3))}
-        runtimes[name] = build_runtime(experiment(world_size, blocks, global_batch=rows, microbatches=1, seed=0))
+        runtimes[name] = build_runtime(experiment(world_size, blocks, global_batch=rows, microbatches=1, seed=0),
+                                       default_registry())
     data = text_batches(steps, rows, models["dense"].seq_len)
     seconds, losses = dict.fromkeys(models, 0.0), {name: [] for name in models}
     sent = {name: torch.zeros(2, dtype=torch.float64) for name in models}

@@ -21,6 +21,7 @@ import torch
 
 from hetero.config import OptimizerConfig, TrainConfig
 from hetero.data.text import VOCAB_SIZE, load_stdlib_corpus, sample_batch
+from hetero.models import default_registry
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.parallel.mesh import init_single_process
@@ -62,7 +63,7 @@ def measure(steps: int, warmup: int = 5, seed: int = 0) -> dict[str, float]:
         "plain": PlainLoop(MODEL, seed, grad_clip),
         "plain_no_norm": PlainLoop(MODEL, seed, 0.0),
         "hetero": build_runtime(experiment(1, lone, global_batch=BATCH, microbatches=1, seed=seed,
-                                               grad_clip=grad_clip)),
+                                               grad_clip=grad_clip), default_registry()),
     }
     names = list(loops)
     times: dict[str, list[float]] = {name: [] for name in loops}

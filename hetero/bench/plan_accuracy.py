@@ -21,6 +21,7 @@ import statistics
 from hetero.bench.throughput import absolute_paths, ensure_shards, measure
 from hetero.config import load_experiment
 from hetero.graph import build_graph
+from hetero.models import default_registry
 from hetero.plan.calibrate import calibrate
 from hetero.plan.search import predict_configured
 from hetero.testing.multiprocess import run_ranks
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all configurations")
     args = parser.parse_args(argv)
     experiments = {name: load_experiment("colocated_vlm", MODEL + overrides) for name, overrides in CONFIGS.items()}
-    placements = {name: build_graph(e).placement for name, e in experiments.items()}
+    placements = {name: build_graph(e, default_registry()).placement for name, e in experiments.items()}
     cluster = calibrate(2)
     print(f"calibrated: GEMM {cluster.device.matmul_tflops * 1e3:.1f} GFLOP/s + {cluster.device.matmul_overhead_us:.0f} us, "
           f"attention {cluster.device.attention_tflops * 1e3:.1f} GFLOP/s, elementwise {cluster.device.memory_gb_s:.2f} GB/s "

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from hetero.config import ExperimentConfig
 from hetero.graph import build_graph
+from hetero.models import default_registry
 
 
 def launched_by_torchrun() -> bool:
@@ -25,7 +26,7 @@ def each_rank(measure: Callable[..., Any], experiment: ExperimentConfig, *args: 
     from hetero.parallel.mesh import init_distributed
     from hetero.testing.multiprocess import run_ranks
 
-    placement = build_graph(experiment).placement
+    placement = build_graph(experiment, default_registry()).placement
     if not launched_by_torchrun():
         ensure_shards(experiment)
         return run_ranks(measure, placement.world_size, experiment, *args, timeout_s=timeout_s,

@@ -42,6 +42,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hetero.config import ExperimentConfig, experiment_from_dict
 from hetero.graph import build_graph
+from hetero.models import default_registry
 from hetero.parallel.boundary import Boundary
 from hetero.parallel.boundary_plan import Rows, Side, TensorSpec, rank_plan
 from hetero.parallel.mesh import build_module_meshes
@@ -184,7 +185,7 @@ def measure(worlds: list[int], samples: int, seed: int = 0) -> list[dict]:
                                   ("long-context VLM, non-colocated", long_context_vlm(world, False)),
                                   ("full graph", full_graph(world))):
             started = time.perf_counter()
-            graph = build_graph(experiment)
+            graph = build_graph(experiment, default_registry())
             build_s = time.perf_counter() - started
             plan_ms, plan_bytes, timed = edge_plans(graph, samples, rng)
             groups = startup(graph)

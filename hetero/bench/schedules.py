@@ -33,6 +33,7 @@ from hetero.bench.ranks import each_rank, launched_by_torchrun
 from hetero.bench.throughput import absolute_paths
 from hetero.config import ExperimentConfig, load_experiment
 from hetero.graph import Graph, build_graph
+from hetero.models import default_registry
 from hetero.runtime.schedule import Action, edge_ranks, edge_receivers, edge_senders
 from hetero.runtime.trace import StepTrace, write_chrome_trace
 from hetero.testing.multiprocess import run_ranks
@@ -58,7 +59,7 @@ def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int
     from hetero.runtime import build_runtime
     from hetero.data.splits import load_splits
 
-    runtime = build_runtime(experiment)
+    runtime = build_runtime(experiment, default_registry())
     data = load_splits(experiment, runtime.graph, ("train",))["train"]
     runtime.train_step(data.batch(0))  # warmup
     runtime.start_trace()
@@ -135,7 +136,7 @@ def run(steps: int, alternations: int, trace_dir: Path | None = None) -> dict[st
         for a in range(alternations):
             for schedule in SCHEDULES:
                 experiment = absolute_paths(load_experiment(name, [*overrides, f"schedule={schedule}"]))
-                graphs[schedule] = build_graph(experiment)
+                graphs[schedule] = build_graph(experiment, default_registry())
                 traces = each_rank(measure, experiment, steps, timeout_s=900)
                 if traces is None:
                     return None

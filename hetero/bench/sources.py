@@ -20,12 +20,13 @@ from hetero.config import load_experiment
 from hetero.data.example import write_llava, write_webdataset
 from hetero.data.sources.registry import data_format
 from hetero.graph import build_graph
+from hetero.models import default_registry
 
 
 def throughput(overrides: list[str], keep, limit: int) -> tuple[float, int, int]:
     """(samples/s, samples, images) shaping the samples ``keep`` accepts (by their images' names)."""
     experiment = load_experiment("own_data_vlm", overrides)
-    graph = build_graph(experiment)
+    graph = build_graph(experiment, default_registry())
     source = experiment.train.data.sources()[0]
     fmt = data_format(source.format)
     samples, shaper = fmt.split(experiment, source, "train"), fmt.shaper(experiment, graph)

@@ -49,12 +49,8 @@ from hetero.bench.device_peaks import local_device_peak_tflops
 from hetero.config import ExperimentConfig, load_experiment
 from hetero.graph import build_graph
 from hetero.errors import ConfigError
-from hetero.kinds.flops import (
-    TRAINING_MULTIPLIER,
-    counted_forward_flops,
-    gpt_forward_flops_per_token,
-    vit_forward_flops_per_image,
-)
+from hetero.kinds.flops import TRAINING_MULTIPLIER, counted_forward_flops
+from hetero.models import default_registry
 from hetero.parallel.layout import format_ranks
 from hetero.parallel.placement import Placement, infer_world_size
 
@@ -112,18 +108,21 @@ def scaled_overrides(experiment: ExperimentConfig, k: int, mode: str) -> list[st
 
 
 def model_flops(experiment: ExperimentConfig, dna_forward_per_sample: float | None = None) -> dict[str, float]:
-    """Model FLOPs of one training step per module, and their ``total``. ``dna_forward_per_sample``: the
-    DNA module's counted forward FLOPs per sample (no closed form; see ``dna_forward_flops_per_sample``)."""
+    """Model FLOPs of one training step per module (each kind's closed form, ``Kind.forward_flops``, per
+    sample), and their ``total``. ``dna_forward_per_sample``: the DNA module's counted forward FLOPs per
+    sample (no closed form; see ``dna_forward_flops_per_sample``)."""
     batch = experiment.batch.global_batch_size
-    vision, llm = experiment.model_config("vision"), experiment.model_config("llm")
-    flops = {
-        "vision": TRAINING_MULTIPLIER * vit_forward_flops_per_image(vision) * batch,
-        "llm": TRAINING_MULTIPLIER * gpt_forward_flops_per_token(llm) * batch * llm.seq_len,
-    }
-    if "dna" in experiment.modules:
-        if dna_forward_per_sample is None:
-            raise ValueError("a dna module needs its counted forward FLOPs per sample")
-        flops["dna"] = TRAINING_MULTIPLIER * dna_forward_per_sample * batch
+    kinds = default_registry()
+    flops = {}
+    for name, module in experiment.modules.items():
+        forward = kinds[module.kind].forward_flops(experiment.model_config(name, kinds))
+        if forward is None and name == "dna":
+            if dna_forward_per_sample is None:
+                raise ValueError("a dna module needs its counted forward FLOPs per sample")
+            forward = dna_forward_per_sample
+        if forward is None:
+            raise ValueError(f"{name}: a {module.kind} module has no closed form of its FLOPs")
+        flops[name] = TRAINING_MULTIPLIER * forward * batch
     flops["total"] = sum(flops.values())
     return flops
 
@@ -134,10 +133,10 @@ def dna_forward_flops_per_sample(experiment: ExperimentConfig) -> float:
     from hetero.models.genezip.model import GeneZip
     from hetero.data.splits import load
 
-    windows = load(experiment, build_graph(experiment), "train").batch(0)["dna"]
+    windows = load(experiment, build_graph(experiment, default_registry()), "train").batch(0)["dna"]
     with torch.random.fork_rng():
         torch.manual_seed(experiment.seed + list(experiment.modules).index("dna"))  # the runtime's seed for it
-        model = GeneZip(experiment.model_config("dna"))
+        model = GeneZip(experiment.model_config("dna", default_registry()))
     return counted_forward_flops(model, windows) / windows.shape[0]
 
 
@@ -153,7 +152,7 @@ def measure(rank: int, world_size: int, experiment: ExperimentConfig, steps: int
     from hetero.data.splits import load_splits
     from hetero.train.job import communicator_bytes
 
-    trainer = build_runtime(experiment)
+    trainer = build_runtime(experiment, default_registry())
     meshes = {name: module.mesh for name, module in trainer.modules.items()}
     data = load_splits(experiment, trainer.graph, ("train",))
     reuse = experiment.train.sample_reuse
@@ -202,7 +201,7 @@ def absolute_paths(experiment: ExperimentConfig) -> ExperimentConfig:
 def ensure_shards(experiment: ExperimentConfig) -> None:
     from hetero.data.splits import prepare
 
-    prepare(experiment, build_graph(experiment))
+    prepare(experiment, build_graph(experiment, default_registry()))
 
 
 def _layouts(placement: Placement) -> dict[str, dict[str, Any]]:
@@ -220,7 +219,8 @@ def summarize(
     step_times = [max(times) for times in zip(*(r["times"] for r in per_rank))]
     step_s = statistics.median(step_times)
     world = placement.world_size
-    batch, seq_len = experiment.batch.global_batch_size, experiment.model_config("llm").seq_len
+    batch = experiment.batch.global_batch_size
+    seq_len = experiment.model_config("llm", default_registry()).seq_len
     tflops = flops["total"] / step_s / world / 1e12
     measured = per_rank[0]
     dtensor = {label: sum(e["bytes"] for e in kinds.values()) for label, kinds in measured["collectives"].items()}
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     name, overrides = split_config_and_overrides(args.config)
     base = load_experiment(name, overrides)
     check_supported(base)
-    build_graph(base).placement
+    build_graph(base, default_registry()).placement
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: this process is one rank of the job
         return _main_launched(args, name, overrides, base)
     scales = [1] if args.scaling == "none" else _scales(args.scales)
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             experiment = load_experiment(name, [*overrides, *extra]) if extra else base
             check_supported(experiment)
-            placement = build_graph(experiment).placement
+            placement = build_graph(experiment, default_registry()).placement
         except ConfigError as err:
             raise ConfigError(f"{args.scaling} scaling, scale {k} ({' '.join(extra)}):\n{err}") from None
         if placement.world_size > MAX_RANKS:
@@ -442,7 +442,8 @@ def _main_launched(args: argparse.Namespace, name: str, overrides: list[str], ba
     is a multiple of the base's. Rank 0 reports."""
     from hetero.parallel.mesh import init_distributed
 
-    launched, base_world = int(os.environ["WORLD_SIZE"]), build_graph(base).placement.world_size
+    launched = int(os.environ["WORLD_SIZE"])
+    base_world = build_graph(base, default_registry()).placement.world_size
     extra: list[str] = []
     if launched != base_world:
         if args.scaling == "none" or launched % base_world:
@@ -454,7 +455,7 @@ def _main_launched(args: argparse.Namespace, name: str, overrides: list[str], ba
         extra = scaled_overrides(base, launched // base_world, args.scaling)
     experiment = absolute_paths(load_experiment(name, [*overrides, *extra]))
     check_supported(experiment)
-    placement = build_graph(experiment).placement
+    placement = build_graph(experiment, default_registry()).placement
     rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # each node writes its own copy of the shards
         ensure_shards(experiment)

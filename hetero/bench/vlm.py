@@ -21,6 +21,7 @@ from hetero.bench.ranks import each_rank, launched_by_torchrun
 from hetero.bench.throughput import absolute_paths, measure
 from hetero.config import load_experiment
 from hetero.graph import build_graph
+from hetero.models import default_registry
 
 EXPERIMENTS = ("homogeneous_vlm", "colocated_vlm", "non_colocated_vlm")
 
@@ -29,11 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per layout (after 3 warmup steps)")
     args = parser.parse_args(argv)
-    rows = []
+    rows, kinds = [], default_registry()
     world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else None
     for name in EXPERIMENTS:
         experiment = absolute_paths(load_experiment(name))
-        placement = build_graph(experiment).placement
+        placement = build_graph(experiment, kinds).placement
         if world_size is not None and placement.world_size != world_size:
             if int(os.environ["RANK"]) == 0:
                 print(f"{name}: skipped, it runs on {placement.world_size} ranks and torchrun started {world_size}")
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         if per_rank is None:
             continue
         step_s = statistics.median(max(step) for step in zip(*(r["times"] for r in per_rank)))
-        tokens = experiment.batch.global_batch_size * experiment.model_config("llm").seq_len
+        tokens = experiment.batch.global_batch_size * experiment.model_config("llm", kinds).seq_len
         rows.append((name, placement.world_size, step_s, tokens / step_s, tokens / step_s / placement.world_size))
     if not rows:
         return

@@ -113,6 +113,6 @@ def _run(args: argparse.Namespace) -> None:
 
     name, overrides = split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
-    graph = build_graph(experiment)
+    graph = build_graph(experiment, args.registry())  # the kinds, from the entry point (hetero.cli)
     splits.check(experiment, graph)
     print(inspect(experiment, graph, args.limit))

@@ -16,7 +16,6 @@ from hetero.config import ExperimentConfig
 from hetero.errors import ConfigError
 from hetero.graph.frozen import frozen_errors
 from hetero.graph.graph import Edge, Graph, Node
-from hetero.models import default_registry
 from hetero.kinds.registry import KindRegistry, Port
 from hetero.parallel.sharding import Sharding
 from hetero.parallel.placement import Placement, place
@@ -24,9 +23,10 @@ from hetero.parallel.placement import Placement, place
 SCHEDULES = ("auto", "phased", "graph_1f1b")
 
 
-def build_graph(experiment: ExperimentConfig, registry: KindRegistry | None = None) -> Graph:
-    """The experiment's graph of modules and edges; ``ConfigError`` listing every problem found."""
-    registry = registry or default_registry()
+def build_graph(experiment: ExperimentConfig, registry: KindRegistry) -> Graph:
+    """The experiment's graph of modules and edges, each module of its kind in ``registry`` (assembled at the
+    entry point: ``hetero.models.default_registry()`` and the user's kinds); ``ConfigError`` listing every
+    problem found."""
     _check_names(experiment, registry)
     order = _topological_order(list(experiment.modules), [(e.src, e.dst) for e in experiment.edges])
     placement = place(

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import DTYPES, INDEX, HFCheckpoint, HFExport
 from hetero.interop.hf_source import CONFIG, KEPT, SIDE_FILES, KeptSource
+from hetero.kinds.registry import KindRegistry
 
 
 def export_hf(runtime, module: str, path: str | Path) -> Path:
@@ -74,14 +75,14 @@ def write_stages(runtime, module: str, export: HFExport, source: HFCheckpoint | 
     return [shard_name(first + stage, total) for stage in range(node.layout.pp)]
 
 
-def saved_module(checkpoint: Path, module: str):
+def saved_module(checkpoint: Path, module: str, registry: KindRegistry):
     """Module ``module`` of the hetero checkpoint directory ``checkpoint``, rebuilt in this process from
-    the config it recorded, its weights read whole (DCP gathers every saved shard): its kind, config,
-    ``(name, tensor)`` weights, and the source it was imported from as the checkpoint kept it (or None)."""
+    the config it recorded as its kind in ``registry``, its weights read whole (DCP gathers every saved
+    shard): its kind, config, ``(name, tensor)`` weights, and the source it was imported from as the
+    checkpoint kept it (or None)."""
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
-    from hetero.models import default_registry
     from hetero.train.checkpoint_files import SafeFileSystemReader, read_manifest
 
     if (checkpoint / "config.json").is_file():
@@ -90,7 +91,7 @@ def saved_module(checkpoint: Path, module: str):
     models = read_manifest(checkpoint)["identity"]["models"]
     if module not in models:
         raise ConfigError(f"{checkpoint} holds modules {', '.join(models)}, not {module!r}")
-    kind = default_registry()[models[module]["kind"]]
+    kind = registry[models[module]["kind"]]
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(kind.config), models[module]["model"]))
     model = kind.build(config)
     state = {module: {"model": model.state_dict()}}
@@ -99,13 +100,14 @@ def saved_module(checkpoint: Path, module: str):
     return kind, config, list(state[module]["model"].items()), KeptSource(kept) if kept.is_dir() else None
 
 
-def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path) -> Path:
+def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path, registry: KindRegistry) -> Path:
     """Write ``module`` of the hetero checkpoint directory ``checkpoint`` (a ``step_*`` directory of
-    ``hetero train``) to ``path`` as a Hugging Face checkpoint, in one process (``saved_module``). A module
+    ``hetero train``) to ``path`` as a Hugging Face checkpoint, in one process (``saved_module``, its kind
+    from ``registry``, which ``hetero convert`` assembles). A module
     imported with ``init.hf`` is written with the source the checkpoint kept (``hf_source.py``): its
     config and side files unchanged, its tensors in their source dtypes, the passed-over ones copied."""
     checkpoint, path = Path(checkpoint), Path(path)
-    kind, config, weights, source = saved_module(checkpoint, module)
+    kind, config, weights, source = saved_module(checkpoint, module, registry)
     export = kind.hf_export(config, source)
     if not export.config:
         raise ConfigError(f"{module}: a {kind.name} module has no Hugging Face checkpoint of its own; convert the "

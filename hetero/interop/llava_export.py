@@ -20,6 +20,7 @@ from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint, HFExport
 from hetero.interop.hf_export import finish, hf_tensors, save_tensors, saved_module, shard_name, write_atomically, write_stages
 from hetero.interop.llava import is_llava
+from hetero.kinds.registry import KindRegistry
 
 KINDS = ("vit", "projector", "gpt")  # the graph's modules, in the order their files are numbered
 
@@ -77,9 +78,9 @@ def export_llava(runtime, path: str | Path) -> Path:
     return path
 
 
-def convert_llava(checkpoint: str | Path, path: str | Path) -> Path:
+def convert_llava(checkpoint: str | Path, path: str | Path, registry: KindRegistry) -> Path:
     """Write the vit, projector and gpt modules of the hetero checkpoint ``checkpoint`` to ``path`` as one
-    LLaVA, in one process, from the sources the checkpoint kept."""
+    LLaVA, in one process, from the sources the checkpoint kept (the modules' kinds from ``registry``)."""
     from hetero.train.checkpoint_files import read_manifest
 
     checkpoint, path = Path(checkpoint), Path(path)
@@ -88,7 +89,7 @@ def convert_llava(checkpoint: str | Path, path: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     files, sources = [], {}
     for module in modules:
-        kind, config, weights, sources[module] = saved_module(checkpoint, module)
+        kind, config, weights, sources[module] = saved_module(checkpoint, module, registry)
         export = whole_export(kind, config, sources[module], module)
         tensors = hf_tensors(export, sources[module], weights)
         tensors |= {name: sources[module].tensor(carried) for name, carried in export.carried.items()}

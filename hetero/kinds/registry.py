@@ -17,7 +17,17 @@ A kind is what the runtime needs to train a module of it, whatever graph it sits
   as sums over the rows it holds, and in evaluation its metrics;
 - ``loss_count(batch, rows)``: the global divisor of those sums (rows, or supervised tokens);
 - ``expert_parallel(config)``: whether it has experts, so its layout may take ``ep`` > 1 (experts split
-  over DP replicas); ``expert_weights(model)``: their parameters.
+  over DP replicas); ``expert_weights(model)``: their parameters; ``routing_shape(config)`` and
+  ``take_routing(model)``: the per-layer routing counts the job reports (expert load, drops);
+  ``counts_dispatch(config, layout)`` and ``dispatch_bytes(model)``: the bytes its expert dispatch hands
+  to other ranks (the ``all_to_all.<module>`` communicator);
+- ``forward_flops(config)``: the model FLOPs of one sample's forward by the kind's closed form (MFU's
+  figure, ``hetero.kinds.flops``), or None where it has none.
+
+The contract's packages (kinds, graph, parallel, runtime, data, train, interop) never import the kinds
+themselves (``hetero.models``): the registry is assembled at the entry points (``hetero.cli``, the rank
+entry ``hetero.train.run``, benchmarks, tests) and passed down, and everything a job needs of a kind comes
+through its ``Kind``.
 
 User code registers its own kinds the same way (``registry.register(MyKind())``), or ships them as an
 entry point in the group ``hetero.kinds`` that ``default_registry()`` loads.
@@ -260,6 +270,35 @@ class Kind:
         """Names of the parameters whose gradients sum over the expert-data-parallel group (``mesh.py``)
         instead of dp×cp."""
         return set()
+
+    def routing_shape(self, config: Any) -> tuple[int, int] | None:
+        """(layers, experts) of the routing counts the module keeps (``take_routing``), or None where it
+        routes no tokens to experts."""
+        return None
+
+    def take_routing(self, model: nn.Module) -> dict[int, torch.Tensor]:
+        """Per layer of ``model`` (this rank's part) that routes tokens to experts, by its index in the
+        whole model: its training forwards' routing since the last call as one tensor of
+        ``experts + 2`` counts (the tokens each expert took, the top-k assignments routed, those dropped
+        for capacity); the counts then restart."""
+        return {}
+
+    def counts_dispatch(self, config: Any, layout: Layout) -> bool:
+        """Whether the module hands tokens to the experts on other ranks under ``layout`` and counts the
+        bytes (``dispatch_bytes``): the job reports them as the ``all_to_all.<module>`` communicator."""
+        return False
+
+    def dispatch_bytes(self, model: nn.Module) -> int:
+        """The bytes ``model`` (this rank's part) has handed to other ranks' experts so far, forward and
+        backward."""
+        return 0
+
+    def forward_flops(self, config: Any) -> float | None:
+        """Model FLOPs of one forward over one sample (a row, or an item for a kind of items) by the
+        kind's closed form, as ``hetero.kinds.flops`` counts them (a training step costs
+        ``TRAINING_MULTIPLIER`` times it); None where it has none (count a forward with
+        ``counted_forward_flops`` instead)."""
+        return None
 
     def loss_parts(self, config: Any) -> tuple[str, ...]:
         """Names of the terms ``stage`` reports besides the loss (``StageResult.parts``)."""

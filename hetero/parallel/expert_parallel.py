@@ -21,15 +21,16 @@ counts the rows (and counts) this rank hands to other ranks, forward and backwar
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-if TYPE_CHECKING:
-    from hetero.models.gpt.moe import Experts
+# A layer's local experts (e.g. the gpt kind's ``Experts``): rows grouped by expert, each group's row count
+# -> the outputs in the same order.
+GroupedExperts = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 
 class _Exchange(torch.autograd.Function):
@@ -56,7 +57,7 @@ class ExpertAllToAll:
         self.bytes_sent += (sum(send) - send[self.index]) * row
         return out
 
-    def __call__(self, experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         n, local = self.size, self.local_experts
         incoming = torch.empty_like(counts)
         dist.all_to_all_single(incoming, counts.contiguous(), group=self.group)

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError("hetero plan needs --cluster CLUSTER.yaml (or --calibrate OUT.yaml to measure this machine)")
     name, overrides = split_config_and_overrides(args.config)
     experiment = load_experiment(name, overrides)
-    placement = build_graph(experiment).placement if args.as_configured else None
+    placement = build_graph(experiment, args.registry()).placement if args.as_configured else None
     if args.calibrate:
         cluster = calibrate(args.ranks, name=Path(args.calibrate).stem)
         Path(args.calibrate).write_text(cluster.to_yaml())

@@ -29,18 +29,14 @@ import math
 from dataclasses import dataclass
 
 from hetero.data.genome import BASES
-from hetero.kinds.flops import (
-    TRAINING_MULTIPLIER,
-    active_ffn_size,
-    gpt_forward_flops_per_token,
-    projector_forward_flops_per_image,
-    vit_forward_flops_per_image,
-)
+from hetero.kinds.flops import TRAINING_MULTIPLIER, projector_forward_flops_per_image
 from hetero.models.genezip.config import GeneZipConfig
 from hetero.models.genezip.regions import CLASSIFIER_DILATIONS, FEATURES
 from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.flops import active_ffn_size, gpt_forward_flops_per_token
 from hetero.models.video.config import VideoConfig
 from hetero.models.vit.config import ViTConfig
+from hetero.models.vit.flops import vit_forward_flops_per_image
 from hetero.plan.cluster import ClusterSpec, LinkSpec
 
 GIB = 1024**3
@@ -93,7 +89,7 @@ class Transformer:
     projector: bool = True  # vit: an MLP projector (in to out_width) after the layers
     merge: int = 1  # vit: a merger of merge × merge patches into one token (out_tokens) in place of the projector
     positions: bool = True  # vit: learned position embeddings (a projector of its own has none)
-    model_flops_per_sample: float = 0.0  # training FLOPs (MFU convention), from hetero.kinds.flops
+    model_flops_per_sample: float = 0.0  # training FLOPs (MFU convention), as hetero.kinds.flops counts them
     idle_ffn: int = 0  # gpt with experts: the units of the experts a token skips (memory, no compute); ffn is the active ones
     stacks: tuple[Stack, ...] = ()  # genezip, video: the layers at each token count (``layers`` is their sum)
     outer: tuple[Gemm, ...] = ()  # genezip, video: the matmuls outside the layers

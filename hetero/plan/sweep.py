@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetero.config import load_experiment
+from hetero.models import default_registry
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.vit.config import ViTConfig
 from hetero.plan.cluster import ClusterSpec, load_cluster
@@ -43,7 +44,8 @@ class Point:
 
 def _base() -> tuple[GPTConfig, ViTConfig]:
     experiment = load_experiment("vlm_7b")
-    return experiment.model_config("llm"), experiment.model_config("vision")
+    registry = default_registry()
+    return experiment.model_config("llm", registry), experiment.model_config("vision", registry)
 
 
 def _workload(llm: GPTConfig, encoders: dict[str, ViTConfig], per_sequence: float, context: int,

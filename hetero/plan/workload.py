@@ -11,6 +11,7 @@ from hetero.errors import ConfigError
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
 from hetero.parallel.compression.edge_config import ActivationCodecConfig, EdgeCompressionConfig
 from hetero.kinds.flops import TRAINING_MULTIPLIER
+from hetero.models import default_registry
 from hetero.plan.cost import Transformer, describe, training_passes
 
 
@@ -126,7 +127,8 @@ def workload_of(
             f"hetero plan models encoders whose edges lead into {llm} and video modules fed by it; "
             + ", ".join(f"{n} ({kinds[n]})" for n in misplaced) + " is not placed so in the edges"
         )
-    llm_config = experiment.model_config(llm)
+    registry = default_registry()  # the planner models the built-in kinds
+    llm_config = experiment.model_config(llm, registry)
     context = context or llm_config.seq_len
     tokens = tokens_per_step or experiment.batch.global_batch_size * llm_config.seq_len
     sequences = max(1, tokens // context)
@@ -134,14 +136,14 @@ def workload_of(
     encoders, consumers, per_sequence = {}, {}, {}
     for name, kind in kinds.items():
         if kind in ENCODER_KINDS:  # a tower and its projector see the same samples
-            encoders[name] = describe(name, kind, experiment.model_config(name))
+            encoders[name] = describe(name, kind, experiment.model_config(name, registry))
             if extra_context == "mixed":
                 per_sequence[name] = context / llm_config.seq_len
             else:
                 extra = (context - llm_config.seq_len) / (feeders * encoders[name].out_tokens)
                 per_sequence[name] = 1 + extra
         elif kind in CONSUMER_KINDS:
-            consumers[name] = describe(name, kind, experiment.model_config(name), clip_frames=clip_frames)
+            consumers[name] = describe(name, kind, experiment.model_config(name, registry), clip_frames=clip_frames)
             per_sequence[name] = 1.0
     ratios = {n: gradient_wire_ratio(m.compression) for n, m in experiment.modules.items()}
     act = activation_bytes
@@ -175,15 +177,14 @@ def trained_shares(experiment: ExperimentConfig) -> dict[str, float]:
     import torch
 
     from hetero.graph.frozen import is_frozen
-    from hetero.models import default_registry
 
-    shares = {}
+    registry, shares = default_registry(), {}
     for name, module in experiment.modules.items():
         if not module.trainable or not module.frozen:
             shares[name] = float(module.trainable)
             continue
         with torch.device("meta"):
-            params = list(default_registry()[module.kind].build(experiment.model_config(name)).named_parameters())
+            params = list(registry[module.kind].build(experiment.model_config(name, registry)).named_parameters())
         total = sum(p.numel() for _, p in params)
         shares[name] = sum(p.numel() for n, p in params if not is_frozen(module, n)) / total
     return shares

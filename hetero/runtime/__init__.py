@@ -1,5 +1,6 @@
 """The one runtime: schedules of per-microbatch actions over any module graph, their executor, and the
-step's end every rank agrees on. ``build_runtime(experiment)`` makes one on this rank of a running world."""
+step's end every rank agrees on. ``build_runtime(experiment, registry)`` makes one on this rank of a running
+world."""
 
 from __future__ import annotations
 
@@ -16,8 +17,13 @@ def build_runtime(
     outer_comms: dict[str, Collective] | None = None,
 ) -> Runtime:
     """The experiment's runtime on this rank: its graph checked, every module's process groups built (on
-    every rank, in one order), its modules, edges and schedules. ``outer_comms``: see ``Runtime``."""
-    graph = graph or build_graph(experiment, registry)
+    every rank, in one order), its modules, edges and schedules. ``registry``: the kinds to build the graph
+    of (not needed where the built ``graph`` is given). ``outer_comms``: see ``Runtime``."""
+    if graph is None:
+        if registry is None:
+            raise TypeError("build_runtime needs the registry of module kinds (hetero.models.default_registry() "
+                            "at the entry point) or the built graph")
+        graph = build_graph(experiment, registry)
     experts = frozenset(name for name, node in graph.nodes.items() if node.kind.expert_parallel(node.config))
     meshes = build_module_meshes(graph.placement, experiment.timeout_s, experts)
     first = next(iter(graph.nodes))

@@ -2,7 +2,7 @@
 
     config = experiment(4, {"vision": module("vit", VISION, {"dp": 4}), "llm": module("gpt", LLM, {"tp": 2, "dp": 2})},
                         edges=[("vision", "llm")], global_batch=8, microbatches=2)
-    runtime = build_runtime(config)
+    runtime = build_runtime(config)  # hetero.testing.kinds: the built-in kinds
 
 Each module's ``micro_batch_size`` is set so that the global batch splits into ``microbatches`` on every
 module. The result goes through ``experiment_from_dict``, the same schema and checks as a YAML file.

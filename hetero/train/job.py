@@ -1,11 +1,11 @@
 """The one training job, for every graph: checks, process groups, the runtime, the loop, checkpoints.
 
-``train(experiment)`` checks the experiment and builds its graph, finds and verifies the checkpoint to
-resume from (all before any process group exists), joins the launcher's world, builds the runtime, and
-runs the loop under the fault guard: a training step per batch (once every rank has built its own), a
-progress line every ``log_every`` steps (every module's loss, the gradient norm, each communicator's
-bytes), held-out evaluations every ``eval_every`` steps and at the end (every module's losses and
-metrics), checkpoints every ``checkpoint.every`` steps, and a summary.
+``train(experiment, registry)`` checks the experiment and builds its graph (of the registry's kinds),
+finds and verifies the checkpoint to resume from (all before any process group exists), joins the
+launcher's world, builds the runtime, and runs the loop under the fault guard: a training step per batch
+(once every rank has built its own), a progress line every ``log_every`` steps (every module's loss, the
+gradient norm, each communicator's bytes), held-out evaluations every ``eval_every`` steps and at the
+end (every module's losses and metrics), checkpoints every ``checkpoint.every`` steps, and a summary.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from hetero.data.loader import StepLoader
 from hetero.data.sample_batches import SampleBatches
 from hetero.graph import Graph, build_graph
 from hetero.interop.hf_source import imported_sources
-from hetero.models.gpt.moe import routed_layers
 from hetero.kinds.registry import KindRegistry
 from hetero.parallel.mesh import init_distributed
 from hetero.runtime import Runtime, build_runtime
@@ -72,8 +71,9 @@ class Job:
     log: RunLog
 
 
-def train(experiment: ExperimentConfig, registry: KindRegistry | None = None) -> dict[str, float]:
-    """Run the experiment's job on this rank of a launched world; the summary (every rank returns it)."""
+def train(experiment: ExperimentConfig, registry: KindRegistry) -> dict[str, float]:
+    """Run the experiment's job on this rank of a launched world, its modules of the kinds in ``registry``
+    (assembled by the rank entry, ``hetero.train.run``); the summary (every rank returns it)."""
     graph = build_graph(experiment, registry)
     splits.check(experiment, graph)
     cfg = experiment.train
@@ -200,11 +200,10 @@ def communicator_bytes(runtime: Runtime) -> dict[str, int]:
         module = runtime.modules.get(name)
         local.append(module.replica_sync.bytes_sent if module is not None else 0)
     for name, node in runtime.graph.nodes.items():
-        if node.layout.ep > 1 and getattr(node.config, "backend", "native") == "native":  # megatron-core's
-            # token dispatcher counts no bytes
+        if node.kind.counts_dispatch(node.config, node.layout):  # tokens to other ranks' experts
             names.append(f"all_to_all.{name}")
             module = runtime.modules.get(name)
-            local.append(sum(moe.dispatch.bytes_sent for _, moe in routed_layers(module.model)) if module is not None else 0)
+            local.append(node.kind.dispatch_bytes(module.model) if module is not None else 0)
     totals = torch.tensor(local, dtype=torch.float64, device=runtime.device)
     dist.all_reduce(totals)
     return {name: int(value) for name, value in zip(names, totals.tolist())}
@@ -216,24 +215,24 @@ def expert_routing(runtime: Runtime) -> dict[str, float]:
     """Per module with experts, over the training steps since the last call: the per-expert load (the
     tokens of the busiest expert over the mean, the worst layer's) and the fraction of top-k assignments
     dropped for capacity, counted over every rank (each routes its own tokens)."""
-    modules = {name: node.config for name, node in runtime.graph.nodes.items() if getattr(node.config, "moe", False)}
-    if not modules:
+    shapes = {name: shape for name, node in runtime.graph.nodes.items()
+              if (shape := node.kind.routing_shape(node.config)) is not None}  # (layers, experts)
+    if not shapes:
         return {}
-    tables = {name: torch.zeros(config.num_layers, config.num_experts + 2, dtype=torch.float64, device=runtime.device)
-              for name, config in modules.items()}
+    tables = {name: torch.zeros(layers, experts + 2, dtype=torch.float64, device=runtime.device)
+              for name, (layers, experts) in shapes.items()}
     for name, table in tables.items():
         module = runtime.modules.get(name)
         if module is None:
             continue
-        for index, layer in routed_layers(module.model):
-            table[index] = torch.cat([layer.load, layer.assigned[None], layer.dropped[None]]).to(table.device)
-            layer.load, layer.assigned, layer.dropped = (torch.zeros_like(t) for t in (layer.load, layer.assigned, layer.dropped))
+        for index, counts in runtime.graph.nodes[name].kind.take_routing(module.model).items():
+            table[index] = counts.to(table.device)
     totals = torch.cat([table.flatten() for table in tables.values()])
     dist.all_reduce(totals)
     out = {}
-    for (name, config), table in zip(modules.items(), totals.split([t.numel() for t in tables.values()])):
-        table = table.view(config.num_layers, config.num_experts + 2)
-        load = table[:, : config.num_experts]
+    for (name, (layers, experts)), table in zip(shapes.items(), totals.split([t.numel() for t in tables.values()])):
+        table = table.view(layers, experts + 2)
+        load = table[:, :experts]
         busiest = (load.max(1).values / load.mean(1).clamp(min=1e-30)).max()
         out[f"expert_load.{name}"] = float(busiest)
         out[f"expert_dropped.{name}"] = float(table[:, -1].sum() / table[:, -2].sum().clamp(min=1))

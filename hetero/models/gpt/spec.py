@@ -33,6 +33,7 @@ from hetero.data.digits import IGNORE_INDEX
 from hetero.errors import ConfigError
 from hetero.kernels.documents import Documents, document_errors
 from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.flops import gpt_forward_flops_per_token
 from hetero.models.gpt.megatron import MegatronGPT, to_megatron
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.moe import routed_layers
@@ -64,6 +65,27 @@ class GPTKind(Kind):
 
     def loss_parts(self, config: GPTConfig) -> tuple[str, ...]:
         return AUX_PARTS if config.moe else ()
+
+    def routing_shape(self, config: GPTConfig) -> tuple[int, int] | None:
+        return (config.num_layers, config.num_experts) if config.moe else None
+
+    def take_routing(self, model: GPT) -> dict[int, torch.Tensor]:
+        counts = {}
+        for index, layer in routed_layers(model):
+            counts[index] = torch.cat([layer.load, layer.assigned[None], layer.dropped[None]])
+            layer.load, layer.assigned, layer.dropped = (torch.zeros_like(t) for t in (layer.load, layer.assigned, layer.dropped))
+        return counts
+
+    def counts_dispatch(self, config: GPTConfig, layout: Layout) -> bool:
+        # the native experts' all-to-all (hetero.parallel.expert_parallel); megatron-core's token
+        # dispatcher counts no bytes
+        return config.moe and layout.ep > 1 and config.backend == "native"
+
+    def dispatch_bytes(self, model: GPT) -> int:
+        return sum(getattr(layer.dispatch, "bytes_sent", 0) for _, layer in routed_layers(model))
+
+    def forward_flops(self, config: GPTConfig) -> float:
+        return config.seq_len * gpt_forward_flops_per_token(config)
 
     def parallelize(self, model, mesh, options):
         if model.config.backend == "megatron":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hetero.kinds.columns import INTEGER, Column
+from hetero.kinds.flops import projector_forward_flops_per_image
 from hetero.kinds.registry import Kind, Port, StageResult, StageStep
 from hetero.models.projector.config import ProjectorConfig
 from hetero.models.projector.model import MLPProjector
@@ -56,6 +57,9 @@ class ProjectorKind(Kind):
 
     def per_item(self, config: ProjectorConfig) -> bool:
         return config.items
+
+    def forward_flops(self, config: ProjectorConfig) -> float:
+        return projector_forward_flops_per_image(config.in_size, config.out_size, config.tokens)
 
     def item_costs(self, config: ProjectorConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.ones(len(batch["image_row"]), dtype=torch.long, device="cpu")

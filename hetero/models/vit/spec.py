@@ -24,6 +24,7 @@ import torch
 from hetero.kinds.columns import FLOATING, INTEGER, Column, Dim
 from hetero.kinds.registry import Kind, Port, StageResult, StageStep
 from hetero.models.vit.config import ViTConfig
+from hetero.models.vit.flops import vit_forward_flops_per_image
 from hetero.models.vit.model import VisionEncoder
 from hetero.models.vit.plan import parallelize_vision
 
@@ -67,6 +68,9 @@ class ViTKind(Kind):
 
     def per_item(self, config: ViTConfig) -> bool:
         return config.per_item
+
+    def forward_flops(self, config: ViTConfig) -> float:
+        return vit_forward_flops_per_image(config)
 
     def item_costs(self, config: ViTConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Each image's patches (what the blocks run over, merged or not)."""

@@ -66,14 +66,14 @@ def heldout_mask(labels: np.ndarray) -> np.ndarray:
 
 def digit_samples() -> dict[str, list[dict[str, Any]]]:
     """Each split's digits as webdataset samples: ``npy`` image, ``txt`` caption, ``cls`` label, ``json``."""
-    from sklearn.datasets import load_digits  # reads a file inside the wheel; imported late as it is slow
+    from hetero.data.wheel_files import sklearn_digits  # load_digits()'s arrays, without importing sklearn
 
-    digits = load_digits()
-    images = torch.from_numpy(digits.images).float() / 16
+    digit_images, target = sklearn_digits()
+    images = torch.from_numpy(digit_images).float() / 16
     images = images.repeat_interleave(UPSCALE, dim=1).repeat_interleave(UPSCALE, dim=2).unsqueeze(1)
-    heldout = heldout_mask(digits.target)
+    heldout = heldout_mask(target)
     splits: dict[str, list[dict[str, Any]]] = {name: [] for name in SPLITS}
-    for index, label in enumerate(digits.target.tolist()):
+    for index, label in enumerate(target.tolist()):
         text, offset = caption(index, label)
         splits["heldout" if heldout[index] else "train"].append(
             {

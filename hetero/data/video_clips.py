@@ -130,11 +130,11 @@ class ClipOptions:
 def textures() -> dict[str, np.ndarray]:
     """``TEXTURES`` as float32 in [0, 1], downscaled ×``TEXTURE_DOWNSCALE`` (block mean) and stretched
     between their 1st and 99th percentile. They are files in scikit-image's wheel: nothing is fetched."""
-    import skimage.data  # imported late as it is slow
+    from hetero.data.wheel_files import skimage_image  # skimage.data.<name>(), without importing skimage
 
     result = {}
     for name in TEXTURES:
-        image = np.asarray(getattr(skimage.data, name)(), dtype=np.float64)
+        image = np.asarray(skimage_image(name), dtype=np.float64)
         f = TEXTURE_DOWNSCALE
         h, w = image.shape[0] // f, image.shape[1] // f
         image = image[: h * f, : w * f].reshape(h, f, w, f).mean(axis=(1, 3))
@@ -146,10 +146,10 @@ def textures() -> dict[str, np.ndarray]:
 @functools.cache
 def _digits() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """scikit-learn's digits: images (N, 8, 8) float32 in [0, 1], labels, and True where held out."""
-    from sklearn.datasets import load_digits  # reads a file inside the wheel; imported late as it is slow
+    from hetero.data.wheel_files import sklearn_digits  # load_digits()'s arrays, without importing sklearn
 
-    digits = load_digits()
-    return (digits.images / 16).astype(np.float32), digits.target, heldout_mask(digits.target)
+    images, target = sklearn_digits()
+    return (images / 16).astype(np.float32), target, heldout_mask(target)
 
 
 @functools.cache

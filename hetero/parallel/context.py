@@ -23,6 +23,7 @@ from hetero.kernels.attention import causal_attention
 from hetero.kernels.documents import Documents
 from hetero.parallel.context_attention import allgather_attention, ring_attention
 from hetero.parallel.options import CP_ATTENTION
+from hetero.parallel.torch_compat import all_gather_single, reduce_scatter_single
 
 
 def zigzag_indices(
@@ -51,14 +52,14 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(out, x, group=group)
+        all_gather_single(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         world = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        dist.reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 

@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from hetero.parallel.torch_compat import all_gather_single
+
 
 def all_reduce_wire_bytes(nbytes: int, size: int) -> int:
     return 2 * (size - 1) * nbytes // size
@@ -69,7 +71,7 @@ class GroupCollective:
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` stacked along a new first dimension, in group-rank order."""
         out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_single(out, tensor.reshape(-1).contiguous(), group=self.group)
+        all_gather_single(out, tensor.reshape(-1).contiguous(), group=self.group)
         self.bytes_sent += all_gather_wire_bytes(_nbytes(tensor), self.size)
         return out.view(self.size, *tensor.shape)
 

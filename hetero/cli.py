@@ -33,23 +33,31 @@ def _layout(args: argparse.Namespace) -> None:
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
 
 
-def _train(args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace) -> int:
+    """``hetero train`` and ``hetero eval``: check everything that can be checked here, then torchrun."""
     import subprocess
 
     from hetero.config import load_experiment, split_config_and_overrides
     from hetero.graph import build_graph
     from hetero.data import splits
+    from hetero.train.job import check_trains, weights_to_evaluate
 
     name, overrides = split_config_and_overrides(args.config)
     selection = [f"experiment={name}"] if name else []
     experiment = load_experiment(name, overrides)
     graph = build_graph(experiment, registry())
+    evaluates = args.command == "eval"
+    if evaluates:
+        weights_to_evaluate(experiment, graph)  # there is a checkpoint, complete, of these models
+    else:
+        check_trains(experiment, graph)
     splits.open_sources(experiment, graph)
     splits.prepare(experiment, graph)  # here, so that a directory holding something else stops no rank
     nproc = args.nproc or graph.placement.world_size
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        f"--max-restarts={args.max_restarts}", "-m", "hetero.train.run", *selection, *overrides,
+        f"--max-restarts={args.max_restarts}", "-m", "hetero.train.run", *(["--eval"] if evaluates else []),
+        *selection, *overrides,
     ]
     print(" ".join(command), flush=True)
     return subprocess.call(command)
@@ -129,7 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="times torchrun restarts every rank after one fails; each restart resumes from the newest checkpoint",
     )
-    train.set_defaults(run=_train)
+    train.set_defaults(run=_launch)
+    evaluate = commands.add_parser(
+        "eval",
+        help="evaluate a checkpoint on the held-out split under any layouts (runs torchrun like hetero train)",
+        description="Held-out figures of a checkpoint, as a training run's evaluation prints and logs them (under "
+        "<run dir>/eval): the run's newest checkpoint (train.run_dir, train.checkpoint.dir or .resume), else each "
+        "module's init.checkpoint, loaded under the layouts this experiment and its overrides give. No optimizer "
+        "step, no checkpoint written.",
+    )
+    evaluate.add_argument("config", nargs="*", metavar="CONFIG [OVERRIDE ...]", help="as for hetero layout")
+    evaluate.add_argument("--nproc", type=int, default=0, help="processes (default: the experiment's world_size)")
+    evaluate.set_defaults(run=_launch, max_restarts=0)
     data = commands.add_parser("data", help="inspect an experiment's data, write an example dataset or the "
                                "built-in shard sets")
     from hetero.data import digits, example, genome, inspect

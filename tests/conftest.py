@@ -13,7 +13,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # vision parity (last by name, ~20 CPU-s) no longer comes last.
 SLOWEST_FIRST = ["test_checkpoint_resume.py", "test_graph_parity.py", "test_gpt_parity.py", "test_graph_run.py",
                  "test_train_run.py", "test_moe_parity.py", "test_entry_points.py", "test_faults.py",
-                 "test_own_data_training.py",
+                 "test_own_data_training.py", "test_eval_command.py",
                  "test_vlm_parity.py", "test_megatron_backend.py", "test_compression_training.py", "test_video_objectives.py",
                  "test_bench_graph.py", "test_video_generator.py", "test_video_parity.py", "test_dna_vlm_parity.py",
                  "test_hf_vlm_finetune.py", "test_fault_guard.py", "test_user_kind.py", "test_fan_out_parity.py",

@@ -32,7 +32,7 @@ def hetero_train(tmp_path, run, experiment, *overrides):
 
 def losses(tmp_path, run, experiment):
     rows = [json.loads(line) for line in (tmp_path / run / experiment / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row["loss"] for row in rows}
+    return {row["step"]: row["loss"] for row in rows if "loss" in row}  # the steps' records
 
 
 # Every kind of rank-local state at once, on compressed_edges_vlm moved onto 4 ranks (vision dp2 on ranks

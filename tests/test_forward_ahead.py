@@ -75,7 +75,7 @@ def run(tmp_path, data, *overrides):
                           capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = tmp_path / "runs" / "own_data_vlm" / "metrics.jsonl"
-    lines = [json.loads(line) for line in metrics.open()]
+    lines = [row for row in map(json.loads, metrics.open()) if "loss" in row]  # the steps' records
     metrics.unlink()
     heldout = [line for line in done.stdout.splitlines() if "held-out loss" in line]
     return [(line["step"], line["loss"], line["grad_norm"]) for line in lines], [h.rsplit("|", 1)[0] for h in heldout]

@@ -25,7 +25,7 @@ def train(tmp_path, run, *overrides):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     folder = tmp_path / run / "own_data_vlm"
     ids = {row["step"]: row["ids"] for row in map(json.loads, (folder / "samples.jsonl").open())}
-    losses = {row["step"]: row["loss"] for row in map(json.loads, (folder / "metrics.jsonl").open())}
+    losses = {row["step"]: row["loss"] for row in map(json.loads, (folder / "metrics.jsonl").open()) if "loss" in row}
     return ids, losses, folder / "checkpoints"
 
 

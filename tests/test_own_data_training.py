@@ -22,7 +22,8 @@ def run(tmp_path, name, *overrides):
                            f"train.run_dir={tmp_path / name}", *overrides],
                           capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [json.loads(line) for line in (tmp_path / name / "own_data_vlm" / "metrics.jsonl").open()]
+    steps = [row for row in map(json.loads, (tmp_path / name / "own_data_vlm" / "metrics.jsonl").open())
+             if "loss" in row]  # the steps' records
     heldout = [float(x) for x in re.findall(r"held-out loss ([0-9.]+)", done.stdout)]
     return [(step["loss"], step["grad_norm"]) for step in steps], heldout
 
@@ -85,7 +86,8 @@ def test_packed_native_resolution_rows_under_cp2_train_the_same_decoded_per_rank
         done = subprocess.run([sys.executable, "-m", "hetero.cli", "train", str(config)], capture_output=True,
                               text=True, timeout=400, cwd=tmp_path)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        rows = [json.loads(line) for line in (tmp_path / per_rank / "native_own_data" / "metrics.jsonl").open()]
+        rows = [row for row in map(json.loads, (tmp_path / per_rank / "native_own_data" / "metrics.jsonl").open())
+                if "loss" in row]
         results.append([(row["loss"], row["grad_norm"]) for row in rows])
     print(f"\npacked native rows, LLM cp2 (loss, grad norm): per rank {results[0]}, every image {results[1]}")
     assert len(results[0]) == 3 and results[0] == results[1]

@@ -187,8 +187,9 @@ class Checkpointer:
     def due(self, step: int, last_step: int) -> bool:
         return self.config.every > 0 and (step % self.config.every == 0 or step == last_step)
 
-    def save(self, runtime: Checkpointable, step: int) -> None:
-        """Write a checkpoint of ``runtime`` after ``step``; it becomes visible only once complete."""
+    def save(self, runtime: Checkpointable, step: int, losses: Mapping[str, float] | None = None) -> None:
+        """Write a checkpoint of ``runtime`` after ``step``; it becomes visible only once complete.
+        ``losses``: that step's loss figures, kept in the manifest (a resume with no step left reports them)."""
         self.wait()
         rank = dist.get_rank()
         partial, final = partial_dir(self.root, step), step_dir(self.root, step)
@@ -202,6 +203,8 @@ class Checkpointer:
         save_local(local, partial / "local" / f"rank{rank}.pt")
         state = _module_state(runtime.checkpoint_modules())
         manifest = {"step": step, "world_size": dist.get_world_size(), "identity": self.identity.as_json()}
+        if losses is not None:
+            manifest["losses"] = {key: float(value) for key, value in losses.items()}
         writer = FileSystemWriter(str(partial))
         if not self.config.async_save:
             dcp.save(state, storage_writer=writer)
@@ -261,24 +264,32 @@ class Checkpointer:
         dist.all_gather_object(everyone, fresh)
         self.fresh_optimizers = sorted({name for names in everyone for name in names})
         if same_local:
-            local = load_local(path / "local" / f"rank{dist.get_rank()}.pt", runtime.device)
-            torch.set_rng_state(local.pop("rng"))
-            runtime.load_local_state(local)
+            self.load_rank_local(runtime, path)
         else:
             runtime.reset_local_state()
         runtime.step = int(manifest["step"])
         return runtime.step
 
+    @staticmethod
+    def load_rank_local(runtime: Checkpointable, path: Path) -> None:
+        """This rank's rank-local state and RNG from checkpoint ``path``, saved under the same layouts."""
+        local = load_local(path / "local" / f"rank{dist.get_rank()}.pt", runtime.device)
+        torch.set_rng_state(local.pop("rng"))
+        runtime.load_local_state(local)
 
-def check_module_sources(graph_models: dict[str, dict[str, Any]], sources: dict[str, Path]) -> None:
+
+def check_module_sources(graph_models: dict[str, dict[str, Any]], sources: dict[str, Path]) -> dict[Path, Any]:
     """Before any process group: each ``init.checkpoint`` a complete checkpoint holding its module with the
-    same kind and model (``graph_models``: this run's ``RunIdentity.models``)."""
+    same kind and model (``graph_models``: this run's ``RunIdentity.models``). Returns each checkpoint's
+    verified manifest (each read once)."""
+    manifests: dict[Path, Any] = {}
     for name, path in sources.items():
         field = f"{name}.init.checkpoint={path}"
         try:
-            saved = read_manifest(path)["identity"]["models"]
+            manifests[path] = manifests[path] if path in manifests else read_manifest(path)
         except CheckpointError as err:
             raise ConfigError(f"{field}: {err}") from None
+        saved = manifests[path]["identity"]["models"]
         if name not in saved:
             raise ConfigError(f"{field}: the checkpoint holds modules {sorted(saved)}, not {name}")
         model, old = graph_models[name], saved[name]
@@ -287,6 +298,7 @@ def check_module_sources(graph_models: dict[str, dict[str, Any]], sources: dict[
                   for key, value in model["model"].items() if old["model"].get(key) != value]
         if diffs:
             raise ConfigError(f"{field}: saved for another {name} ({'; '.join(diffs)})")
+    return manifests
 
 
 def load_module_weights(modules: dict[str, tuple[nn.Module, Any]], sources: dict[str, Path]) -> None:

@@ -5,7 +5,8 @@
         local/rank<r>.pt                 rank-local state (torch.save of tensors and plain containers)
         hf/<module>/                     of a module imported with init.hf: its source's config and side
                                          files, tensor dtypes, passed-over tensors (hetero.interop.hf_source)
-        hetero.json                      step, data position, modules and layouts, SHA-256 of every file
+        hetero.json                      step (and its losses), data position, modules and layouts, SHA-256
+                                         of every file
     <checkpoint dir>/.step_000020.partial  a save in progress or interrupted: never loaded
 
 A save writes into the ``.partial`` directory and rank 0 commits it (``commit``: hashes, ``hetero.json``,

@@ -11,6 +11,7 @@ end (every module's losses and metrics), checkpoints every ``checkpoint.every`` 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +24,7 @@ from hetero.config import ExperimentConfig
 from hetero.data import splits
 from hetero.data.loader import StepLoader
 from hetero.data.sample_batches import SampleBatches
+from hetero.errors import ConfigError
 from hetero.graph import Graph, build_graph
 from hetero.interop.hf_source import imported_sources
 from hetero.kinds.registry import KindRegistry
@@ -74,43 +76,183 @@ class Job:
 def train(experiment: ExperimentConfig, registry: KindRegistry) -> dict[str, float]:
     """Run the experiment's job on this rank of a launched world, its modules of the kinds in ``registry``
     (assembled by the rank entry, ``hetero.train.run``); the summary (every rank returns it)."""
-    graph = build_graph(experiment, registry)
-    splits.check(experiment, graph)
-    cfg = experiment.train
-    run_dir = Path(cfg.run_dir) / experiment.name
-    checkpoints = Checkpointer(cfg.checkpoint, Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
-                               run_identity(experiment, graph), imported_sources(graph))
-    resume_from = resolve_resume(cfg.checkpoint, checkpoints.root)
-    same_local = check_resumable(resume_from, checkpoints.identity)[1] if resume_from is not None else True
+    graph, checkpoints, run_dir = _prepare(experiment, registry)
+    check_trains(experiment, graph)
+    resume_from = resolve_resume(experiment.train.checkpoint, checkpoints.root)
+    manifest, same_local = ({}, True) if resume_from is None else check_resumable(resume_from, checkpoints.identity)
     starts = {name: Path(node.settings.init.checkpoint) for name, node in graph.nodes.items()
               if node.settings.init.checkpoint is not None}  # next-stage weights, unless resuming this run
     check_module_sources(checkpoints.identity.as_json()["models"], starts)
-    rank = init_distributed(graph.placement, experiment.backend, experiment.timeout_s)
-    runtime = build_runtime(experiment, graph=graph)
-    checkpoints.attach()
-    job = Job(experiment, graph, runtime, checkpoints, FaultGuard(graph.placement, experiment.timeout_s),
-              RunLog(experiment, run_dir, enabled=rank == 0))
+    job = _start(experiment, graph, checkpoints, run_dir)
     with job.guard.running():
         start = 0
         if resume_from is None and starts:
-            load_module_weights(runtime.checkpoint_modules(), starts)
+            load_module_weights(job.runtime.checkpoint_modules(), starts)
         if resume_from is not None:
-            start = checkpoints.load(runtime, resume_from, same_local)
+            start = checkpoints.load(job.runtime, resume_from, same_local)
             job.log.resumed(resume_from, start, same_local, checkpoints.fresh_optimizers)
-        summary = _loop(job, start)
+        summary = _loop(job, start, _saved_losses(manifest, run_dir))
     job.log.finish(summary)
     return summary
 
 
-def _loop(job: Job, start: int) -> dict[str, float]:
+def check_trains(experiment: ExperimentConfig, graph: Graph) -> None:
+    """Refuse a training job in which no parameter trains (before any process starts), pointing at
+    ``hetero eval`` for measuring the weights."""
+    if any(node.trains for node in graph.nodes.values()):
+        return
+    why = ", ".join(f"{name}.trainable=false" if not node.settings.trainable
+                    else f"{name}.frozen={list(node.settings.frozen)}" for name, node in graph.nodes.items())
+    raise ConfigError(
+        f"every module is frozen ({why}): there is nothing to train; to measure held-out figures of these "
+        f"weights run `hetero eval {experiment.name} ...` with the same overrides (it evaluates the run's last "
+        f"checkpoint, else each <module>.init.checkpoint)"
+    )
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What ``hetero eval`` evaluates: each module's checkpoint (a module absent: its ``init.hf`` weights),
+    the step they end, and whether rank-local state carries over (one checkpoint, saved under these layouts
+    and compression settings)."""
+
+    sources: dict[str, Path]
+    step: int
+    same_local: bool
+
+
+def weights_to_evaluate(experiment: ExperimentConfig, graph: Graph,
+                        checkpoints: Checkpointer | None = None) -> Weights:
+    """The checkpoints ``hetero eval`` loads, checked before any process group exists: as a training job
+    would start, the run's newest complete checkpoint (or ``train.checkpoint.resume``'s step_* directory)
+    for every module, else each module's ``init.checkpoint``. ``ConfigError`` when there is none."""
+    checkpoints = checkpoints or _checkpointer(experiment, graph)
+    found = resolve_resume(experiment.train.checkpoint, checkpoints.root)
+    if found is not None:
+        sources = {name: found for name in graph.nodes}
+    else:
+        sources = {name: Path(node.settings.init.checkpoint) for name, node in graph.nodes.items()
+                   if node.settings.init.checkpoint is not None}
+    if not sources:
+        where = ("train.checkpoint.resume=never" if experiment.train.checkpoint.resume == "never"
+                 else f"no complete checkpoint under {checkpoints.root}")
+        raise ConfigError(
+            f"nothing to evaluate: {where} and no module has init.checkpoint; set each module's init.checkpoint="
+            f"<a step_* directory> ({', '.join(f'{name}.init.checkpoint=...' for name in graph.nodes)}), "
+            f"train.checkpoint.resume=<a step_* directory>, or train.run_dir (train.checkpoint.dir) to a run that "
+            f"saved checkpoints (train.checkpoint.every=N)"
+        )
+    missing = [name for name, node in graph.nodes.items() if name not in sources and node.settings.init.hf is None]
+    if missing:
+        raise ConfigError(
+            f"{', '.join(missing)}: no weights to evaluate (other modules start from init.checkpoint); set "
+            f"{', '.join(f'{name}.init.checkpoint=<a step_* directory>' for name in missing)}"
+        )
+    try:
+        manifests = check_module_sources(checkpoints.identity.as_json()["models"], sources)
+    except ConfigError as err:
+        if found is None:
+            raise
+        raise ConfigError(f"{err} (the checkpoint this run resumes from)") from None
+    steps = {int(manifest["step"]) for manifest in manifests.values()}
+    local = checkpoints.identity.as_json()["local"]
+    same_local = (len(manifests) == 1 and len(sources) == len(graph.nodes)
+                  and next(iter(manifests.values()))["identity"]["local"] == local)
+    return Weights(sources, steps.pop() if len(steps) == 1 else 0, same_local)
+
+
+def evaluate_checkpoint(experiment: ExperimentConfig, registry: KindRegistry) -> dict[str, float]:
+    """``hetero eval`` on this rank of a launched world: the training job's setup under this experiment's
+    layouts, the weights of ``weights_to_evaluate`` (resharded from whatever layouts saved them), one
+    held-out evaluation as a training run makes it (printed, in ``<run dir>/eval/metrics.jsonl`` and
+    wandb), and a summary; no optimizer step, no checkpoint written."""
+    graph, checkpoints, run_dir = _prepare(experiment, registry)
+    weights = weights_to_evaluate(experiment, graph, checkpoints)
+    job = _start(experiment, graph, checkpoints, run_dir / "eval", saves=False)
+    with job.guard.running():
+        load_module_weights(job.runtime.checkpoint_modules(), weights.sources)
+        if weights.same_local:  # e.g. edge compensation, DiLoCo's inner weights: as the training run held them
+            checkpoints.load_rank_local(job.runtime, next(iter(weights.sources.values())))
+        job.runtime.step = weights.step
+        job.log.evaluating(weights.sources, weights.step)
+        data = splits.load_splits(experiment, graph)
+        started = time.perf_counter()
+        with job.guard.step(f"evaluation of step {weights.step}"):
+            evaluated = evaluate(job.runtime, data["heldout"], experiment.train.eval_batches,
+                                 _reads(job, data["train"]))
+        seconds = time.perf_counter() - started
+        job.log.evaluation(weights.step, evaluated, seconds)
+    summary = {"step": float(weights.step), **{f"heldout_{k}": v for k, v in evaluated.items()},
+               "seconds": seconds}
+    job.log.finish(summary)
+    return summary
+
+
+def _checkpointer(experiment: ExperimentConfig, graph: Graph) -> Checkpointer:
+    cfg = experiment.train
+    root = Path(cfg.checkpoint.dir or Path(cfg.run_dir) / experiment.name / "checkpoints")
+    return Checkpointer(cfg.checkpoint, root, run_identity(experiment, graph), imported_sources(graph))
+
+
+def _prepare(experiment: ExperimentConfig, registry: KindRegistry) -> tuple[Graph, Checkpointer, Path]:
+    """Before any process group: the graph (every check), the data's checks, the run's checkpoints and
+    folder."""
+    graph = build_graph(experiment, registry)
+    splits.check(experiment, graph)
+    return graph, _checkpointer(experiment, graph), Path(experiment.train.run_dir) / experiment.name
+
+
+def _start(experiment: ExperimentConfig, graph: Graph, checkpoints: Checkpointer, log_dir: Path,
+           saves: bool = True) -> Job:
+    """Join the launcher's world and build this rank's runtime, fault guard and run log."""
+    rank = init_distributed(graph.placement, experiment.backend, experiment.timeout_s)
+    runtime = build_runtime(experiment, graph=graph)
+    if saves:
+        checkpoints.attach()
+    return Job(experiment, graph, runtime, checkpoints, FaultGuard(graph.placement, experiment.timeout_s),
+               RunLog(experiment, log_dir, enabled=rank == 0, job_type="train" if saves else "eval"))
+
+
+def _reads(job: Job, train_batches) -> object:
+    """The rows and images this rank reads of users' formats under ``train.data.per_rank`` (else None)."""
+    per_rank = job.experiment.train.data.per_rank and isinstance(train_batches, SampleBatches)
+    return job.runtime.rank_reads() if per_rank else None
+
+
+def _losses(metrics: dict[str, float]) -> dict[str, float]:
+    """A step's loss figures: the combined ``loss`` and each module's ``<module>.loss``."""
+    return {key: value for key, value in metrics.items() if key == "loss" or key.endswith(".loss")}
+
+
+def _saved_losses(manifest: dict, run_dir: Path) -> dict[str, float]:
+    """The loss figures of the step a resumed checkpoint ends: kept in its manifest; for a checkpoint saved
+    before they were kept, that step's record in the run's ``metrics.jsonl`` if there is one."""
+    if not manifest:
+        return {}
+    if "losses" in manifest:
+        return manifest["losses"]
+    path, found = run_dir / "metrics.jsonl", {}
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a killed run
+            continue
+        if row.get("step") == manifest["step"] and "loss" in row:
+            found = _losses(row)
+    return found
+
+
+def _loop(job: Job, start: int, last: dict[str, float]) -> dict[str, float]:
+    """Train steps ``start + 1`` to ``train.steps``; ``last``: the loss figures of step ``start`` (a resumed
+    checkpoint's), the final ones when no step is left."""
     experiment, runtime, guard, log = job.experiment, job.runtime, job.guard, job.log
     cfg = experiment.train
     data = splits.load_splits(experiment, job.graph)
     train_batches, heldout = data["train"], data["heldout"]
     started = time.perf_counter()
     evaluated: dict[str, float] = {}
-    metrics = {"loss": math.nan}
-    reads = runtime.rank_reads() if cfg.data.per_rank and isinstance(train_batches, SampleBatches) else None
+    metrics = dict(last) or {"loss": math.nan}
+    reads = _reads(job, train_batches)
     loader = StepLoader(train_batches, start + 1, cfg.steps, cfg.sample_reuse, cfg.data.workers, runtime.device,
                         experiment.timeout_s, reads)
     tick, waited = time.perf_counter(), []  # the first step's time includes starting the workers
@@ -149,13 +291,15 @@ def _loop(job: Job, start: int) -> dict[str, float]:
                 evaluated = evaluate(runtime, heldout, cfg.eval_batches, reads)
             log.evaluation(step, evaluated, time.perf_counter() - started)
         if job.checkpoints.due(step, cfg.steps):
-            job.checkpoints.save(runtime, step)
+            job.checkpoints.save(runtime, step, _losses(metrics))
         tick = time.perf_counter()
         item = following if ahead and not evaluates else fetch(step)
     job.checkpoints.close()
     if not evaluated:  # resumed at the last step: nothing left to train
-        evaluated = evaluate(runtime, heldout, cfg.eval_batches, reads)
-    final = {f"final_{key}": value for key, value in metrics.items() if key == "loss" or key.endswith(".loss")}
+        with guard.step(f"evaluation at step {start}"):
+            evaluated = evaluate(runtime, heldout, cfg.eval_batches, reads)
+        log.evaluation(start, evaluated, time.perf_counter() - started)
+    final = {f"final_{key}": value for key, value in _losses(metrics).items()}
     return {"steps": float(cfg.steps), **final, **{f"heldout_{k}": v for k, v in evaluated.items()},
             "seconds": time.perf_counter() - started}
 

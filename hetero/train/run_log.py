@@ -1,5 +1,8 @@
 """What a training run reports: a progress line on the console, the same metrics to wandb and, one JSON
 object per logged step, to ``<run dir>/metrics.jsonl`` (appended to, so a resumed run continues it).
+That file's records: a logged step ``{"step", "loss", ...}``, a skipped step ``{"step", "skipped"}``, a
+held-out evaluation ``{"step", "heldout": {...}, "seconds"}`` and, at the end, ``{"summary": {...}}``;
+floats as Python writes them (full precision). ``hetero eval`` logs the same under ``<run dir>/eval``.
 
 wandb runs offline by default (``train.wandb=offline``) and writes its run directory under the run's
 folder, so no network or account is ever needed; ``train.wandb=disabled`` turns it off. Only one rank
@@ -28,7 +31,7 @@ def _bytes(n: float) -> str:
 
 
 class RunLog:
-    def __init__(self, experiment: ExperimentConfig, run_dir: Path, enabled: bool):
+    def __init__(self, experiment: ExperimentConfig, run_dir: Path, enabled: bool, job_type: str = "train"):
         self.enabled = enabled
         self.wandb: Any = None
         if not enabled:
@@ -48,6 +51,7 @@ class RunLog:
                 dir=str(run_dir),
                 mode=experiment.train.wandb,
                 config=asdict(experiment),
+                job_type=job_type,
             )
 
     def progress(self, step: int, metrics: dict[str, float], comm: dict[str, int]) -> None:
@@ -122,11 +126,25 @@ class RunLog:
         print(f"step {step:5d} | held-out loss {heldout['loss']:.4f}{shown} | {seconds:.0f} s", flush=True)
         if self.wandb is not None:
             self.wandb.log({f"heldout/{key}": value for key, value in heldout.items()}, step=step)
+        self.history.write(json.dumps({"step": step, "heldout": heldout, "seconds": seconds}) + "\n")
+        self.history.flush()
+
+    def evaluating(self, sources: dict[str, Path], step: int) -> None:
+        """``hetero eval``: which checkpoint each module's weights come from."""
+        if not self.enabled:
+            return
+        modules: dict[Path, list[str]] = {}
+        for module, path in sources.items():
+            modules.setdefault(path, []).append(module)
+        loaded = "; ".join(f"{', '.join(names)} from {path}" for path, names in modules.items())
+        print(f"evaluating step {step}: {loaded}", flush=True)
 
     def finish(self, summary: dict[str, float]) -> None:
         """Print and log the job's summary, then leave the process group (every rank calls it)."""
         if self.enabled:
             print("summary: " + ", ".join(f"{k} {v:.4g}" for k, v in summary.items()), flush=True)
+            self.history.write(json.dumps({"summary": summary}) + "\n")
+            self.history.close()
             if self.wandb is not None:
                 self.wandb.summary.update(summary)
                 self.wandb.finish()

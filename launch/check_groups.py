@@ -16,13 +16,14 @@ import torch.distributed as dist
 
 from hetero.config import load_experiment
 from hetero.graph import build_graph
+from hetero.models import default_registry
 from hetero.parallel.mesh import build_module_meshes, init_distributed, resolve_backend
 from hetero.parallel.rank_map import format_rank_map, rank_map
 
 
 def check_groups(overrides: list[str]) -> bool:
     experiment = load_experiment("", overrides)
-    placement = build_graph(experiment).placement
+    placement = build_graph(experiment, default_registry()).placement
     rank = init_distributed(placement, experiment.backend, experiment.timeout_s)
     meshes = build_module_meshes(placement, experiment.timeout_s)
     device = "cuda" if resolve_backend(experiment.backend) == "nccl" else "cpu"

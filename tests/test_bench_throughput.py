@@ -15,7 +15,8 @@ from hetero.testing.kinds import build_graph
 from hetero.errors import ConfigError
 
 # colocated_vlm on 2 ranks: vision dp2, the LLM tp2 on both ranks; one microbatch of 8 per step.
-TWO_RANKS = ["world_size=2", "vision.layout.dp=2", "llm.layout.tp=2", "llm.layout.dp=1", "batch.global_batch_size=8"]
+TWO_RANKS = ["world_size=2", "vision.layout.dp=2", "llm.layout.tp=2", "llm.layout.dp=1", "batch.global_batch_size=8",
+             "batch.micro_batch_size=8", "vision.micro_batch_size=4"]
 
 
 def gpt_training_flops(batch, seq, layers, hidden, vocab):
@@ -25,12 +26,13 @@ def gpt_training_flops(batch, seq, layers, hidden, vocab):
     return 96 * batch * seq * layers * hidden**2 * (1 + seq / (8 * hidden) + vocab / (16 * layers * hidden))
 
 
-def vit_training_flops(batch, patches, patch_dim, blocks, hidden, out):
+def vit_training_flops(batch, patches, patch_dim, blocks, hidden, out, handed_on):
     """Patch embedding, ``blocks`` pre-norm blocks over patches + class token (24h² per token for QKV, out
-    and a 4h GELU MLP, 4·S·h for attention), the two-layer projector; 3x forward."""
+    and a 4h GELU MLP, 4·S·h for attention), the two-layer projector over the ``handed_on`` tokens; 3x
+    forward."""
     tokens = patches + 1
     forward = (2 * patches * patch_dim * hidden + blocks * (24 * tokens * hidden**2 + 4 * tokens**2 * hidden)
-               + 2 * patches * (hidden * out + out * out))
+               + 2 * handed_on * (hidden * out + out * out))
     return 3 * batch * forward
 
 
@@ -58,10 +60,10 @@ def test_a_two_rank_run_reports_consistent_figures(tmp_path, capsys):
 
     flops = run["model_flops_per_step"]
     # llm: vocab 256, h 64, 2 layers, 4 heads, seq 40; vision: 32x32 images of 16x16 patches (4), 1 channel,
-    # h 64, 2 layers (features of the last), out 64.
+    # h 64, 2 layers (features of the last), out 64; the class token's features cross too (class_feature).
     assert flops["llm"] == pytest.approx(gpt_training_flops(batch, seq, layers=2, hidden=64, vocab=256), rel=1e-12)
     assert flops["vision"] == pytest.approx(
-        vit_training_flops(batch, patches=4, patch_dim=256, blocks=2, hidden=64, out=64), rel=1e-12
+        vit_training_flops(batch, patches=4, patch_dim=256, blocks=2, hidden=64, out=64, handed_on=5), rel=1e-12
     )
     assert flops["total"] == pytest.approx(flops["llm"] + flops["vision"], rel=1e-12)
     tflops = flops["total"] / step_s / 2 / 1e12
@@ -71,8 +73,9 @@ def test_a_two_rank_run_reports_consistent_figures(tmp_path, capsys):
 
     comm = run["bytes_per_step"]
     # Each LLM rank (tp2) needs all 8 rows; it holds its own 4 from the colocated vision replica (a local
-    # copy) and receives the other 4: 2 ranks x 4 rows x 4 patches x 64 floats x 4 bytes = 8 x 4 x 64 x 4.
-    activation_bytes = batch * 4 * 64 * 4
+    # copy) and receives the other 4: 2 ranks x 4 rows x 5 tokens (4 patches, the class token) x 64 floats x
+    # 4 bytes = 8 x 5 x 64 x 4.
+    activation_bytes = batch * 5 * 64 * 4
     assert comm["boundary.vision->llm.forward"] == activation_bytes
     assert comm["boundary.vision->llm.backward"] == activation_bytes  # the gradient of the same rows goes back
     assert "pipeline.llm.forward" not in comm and "pipeline.llm.backward" not in comm  # pp1: no stage links
@@ -99,12 +102,12 @@ def test_a_two_rank_run_reports_consistent_figures(tmp_path, capsys):
 
 
 def test_scaled_overrides_for_weak_and_strong_scaling():
-    experiment = load_experiment("colocated_vlm")  # world 4: vision dp4, llm tp2·dp2, batch 16
+    experiment = load_experiment("colocated_vlm")  # world 4: vision dp4, llm tp2·dp2, batch 44
     assert scaled_overrides(experiment, 2, "strong") == [
         "++world_size=8", "++vision.layout.dp=8", "++llm.layout.dp=4",
     ]
     assert scaled_overrides(experiment, 2, "weak") == [
-        "++world_size=8", "++vision.layout.dp=8", "++llm.layout.dp=4", "++batch.global_batch_size=32",
+        "++world_size=8", "++vision.layout.dp=8", "++llm.layout.dp=4", "++batch.global_batch_size=88",
     ]
     dna = load_experiment("dna_vlm")  # vision dp2 on 0-1, dna dp2 at offset 2, llm tp2·dp2 on 0-3
     overrides = scaled_overrides(dna, 2, "weak")
@@ -139,7 +142,7 @@ def test_under_torchrun_every_process_is_a_rank_and_the_experiment_scales_to_the
     root = Path(__file__).resolve().parents[1]
     out_json = tmp_path / "bench.json"
     one_rank = ["world_size=1", "vision.layout.dp=1", "llm.layout.tp=1", "llm.layout.dp=1",
-                "batch.global_batch_size=8", "vision.micro_batch_size=8"]
+                "batch.global_batch_size=8", "batch.micro_batch_size=8", "vision.micro_batch_size=8"]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(root / "launch" / "bench.py"), "colocated_vlm", *one_rank,
@@ -158,7 +161,8 @@ def test_under_torchrun_every_process_is_a_rank_and_the_experiment_scales_to_the
 def test_under_torchrun_a_world_that_does_not_match_is_refused_before_joining(monkeypatch, capsys):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    one_rank = ["world_size=1", "vision.layout.dp=1", "llm.layout.tp=1", "llm.layout.dp=1", "vision.micro_batch_size=8"]
+    one_rank = ["world_size=1", "vision.layout.dp=1", "llm.layout.tp=1", "llm.layout.dp=1",
+                "batch.global_batch_size=8", "batch.micro_batch_size=8", "vision.micro_batch_size=8"]
     assert main(["bench", "throughput", "colocated_vlm", *one_rank, "--steps", "1"]) == 2
     assert "torchrun started 2 ranks but colocated_vlm runs on world_size=1; pass --scaling" in capsys.readouterr().err
 

@@ -106,9 +106,9 @@ def test_a_checkpoint_of_another_model_or_data_order_is_refused(tmp_path):
     checkpoint = write_checkpoint(tmp_path, 2)
     with pytest.raises(CheckpointError, match=r"another model \(vision\.model\.out_size: saved 64, now 32; llm\.model\.hidden_size: saved 64, now 32\)"):
         check_resumable(checkpoint, identity("llm.model.hidden_size=32", "vision.model.out_size=32"))
-    with pytest.raises(CheckpointError, match=r"batch\.global_batch_size=16, this run has 32"):
-        check_resumable(checkpoint, identity("batch.global_batch_size=32"))
-    _, same_local = check_resumable(checkpoint, identity("llm.layout.tp=1", "llm.layout.dp=4", "batch.micro_batch_size=4"))
+    with pytest.raises(CheckpointError, match=r"batch\.global_batch_size=44, this run has 88"):
+        check_resumable(checkpoint, identity("batch.global_batch_size=88"))
+    _, same_local = check_resumable(checkpoint, identity("llm.layout.tp=1", "llm.layout.dp=4", "batch.micro_batch_size=11"))
     assert not same_local  # a new layout: weights reshard, rank-local state starts afresh
 
 

@@ -73,7 +73,7 @@ BEFORE = ["llm.layout.tp=2", "llm.layout.dp=1", "llm.layout.pp=2", "batch.micro_
           "vision.layout.dp=4", "vision.micro_batch_size=1"]
 AFTER = ["placement=auto", "llm.layout.tp=1", "llm.layout.dp=4", "llm.layout.pp=1", "batch.micro_batch_size=1",
          "vision.layout.dp=2", "vision.layout.ranks=[0,1]", "vision.micro_batch_size=2"]
-STREAMED = ["train.checkpoint.every=2", "train.checkpoint.keep=0", "train.stream_buffer=64", "train.sample_log=true"]
+STREAMED = ["batch.global_batch_size=16", "train.checkpoint.every=2", "train.checkpoint.keep=0", "train.stream_buffer=64", "train.sample_log=true"]
 
 
 def samples(tmp_path, run):

@@ -16,11 +16,12 @@ from hetero.config import load_experiment
 from hetero.errors import ConfigError
 from hetero.graph import build_graph
 from hetero.models import default_registry
+from hetero.testing.experiments import MAIN_JOB_SMALL_BATCH
 from hetero.train.job import check_trains, train
 
 # 4 steps, evaluations at steps 2 and 4 (on the first 2 held-out batches), the checkpoint at step 4
-TINY = ["world_size=2", "vision.layout.dp=2", "llm.layout.dp=1", "train.steps=4", "train.log_every=1",
-        "train.eval_every=2", "train.eval_batches=2", "train.checkpoint.every=4", "train.wandb=disabled"]
+TINY = [*MAIN_JOB_SMALL_BATCH, "world_size=2", "vision.layout.dp=2", "llm.layout.dp=1", "train.steps=4",
+        "train.log_every=1", "train.eval_every=2", "train.eval_batches=2", "train.checkpoint.every=4", "train.wandb=disabled"]
 OTHER_LAYOUTS = ["llm.layout.tp=1", "llm.layout.dp=2", "llm.micro_batch_size=4"]
 
 

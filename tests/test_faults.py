@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 
 from hetero.config import load_experiment
+from hetero.testing.experiments import MAIN_JOB_SMALL_BATCH
 from hetero.testing.kinds import build_graph
 from hetero.train.checkpoint import check_resumable
 from hetero.train.checkpoint_files import complete_checkpoints
 from hetero.train.job import run_identity
 
-STEPS = ["train.steps=12", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.wandb=disabled",
+STEPS = [*MAIN_JOB_SMALL_BATCH, "train.steps=12", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.wandb=disabled",
          "train.checkpoint.every=3", "train.checkpoint.keep=3"]
 
 

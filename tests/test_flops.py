@@ -72,6 +72,9 @@ def test_vit_flops_from_parameter_count():
     assert len(model.layers) == 2  # blocks after feature_layer never run and are not counted
     assert vit_forward_flops_per_image(config) == expected
     assert counted_forward_flops(model, torch.randn(2, 3, 16, 16)) == 2 * expected
+    handing_on = replace(config, class_feature=True)  # the class token's features go through the projector too
+    assert counted_forward_flops(VisionEncoder(handing_on), torch.randn(2, 3, 16, 16)) == \
+        2 * vit_forward_flops_per_image(handing_on) > 2 * expected
 
 
 def test_planner_prices_experts_by_the_units_a_token_uses():

@@ -110,7 +110,7 @@ def test_nonfinite_stop_ends_the_job_naming_the_module(tmp_path):
     env = os.environ | {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port), "PYTHONPATH": os.path.dirname(__file__)}
     overrides = ["experiment=colocated_vlm", "world_size=1", "vision.layout.dp=1", "llm.layout.tp=1", "llm.layout.dp=1",
-                 "vision.micro_batch_size=16", "batch.micro_batch_size=16", "train.steps=4", "train.log_every=1",
+                 "vision.micro_batch_size=16", "batch.micro_batch_size=16", "batch.global_batch_size=16", "train.steps=4", "train.log_every=1",
                  "train.eval_every=0", "train.wandb=disabled", "train.nonfinite=stop",
                  f"train.data_dir={tmp_path / 'digits'}", f"train.run_dir={tmp_path / 'runs'}"]
     done = subprocess.run([sys.executable, "-c", STOP_AT_A_NAN_LOSS, *overrides], capture_output=True, text=True,

@@ -159,7 +159,7 @@ def test_plan_cli_table_json_and_plot(tmp_path, capsys):
 def test_calibrate_writes_a_loadable_cluster(tmp_path, capsys):
     out = tmp_path / "here.yaml"
     assert main(["plan", "--calibrate", str(out), "colocated_vlm", "world_size=2", "vision.layout.dp=2",
-                 "llm.layout.tp=1", "llm.layout.dp=2", "vision.micro_batch_size=8", "--as-configured"]) == 0
+                 "llm.layout.tp=1", "llm.layout.dp=2", "vision.micro_batch_size=22", "--as-configured"]) == 0
     cluster = load_cluster(out)
     assert cluster.world_size == 2 and cluster.device.precision == "fp32"
     for value in (cluster.device.matmul_tflops, cluster.device.memory_gb_s, cluster.intra_node.bandwidth_gb_s):

@@ -110,6 +110,6 @@ def test_groups_of_an_8_rank_mixed_placement(tmp_path):
 def test_groups_follow_a_hydra_override():
     """`llm.layout.tp=1 llm.layout.dp=4` changes the groups the ranks build."""
     results = run_ranks(
-        all_reduce_every_group, 4, "colocated_vlm", ["llm.layout.tp=1", "llm.layout.dp=4", "llm.micro_batch_size=4"], timeout_s=120
+        all_reduce_every_group, 4, "colocated_vlm", ["llm.layout.tp=1", "llm.layout.dp=4", "llm.micro_batch_size=11"], timeout_s=120
     )
     check(results, {"llm": {"layout": {"tp": 1, "dp": 4}}}, 4)

@@ -103,7 +103,7 @@ def test_placement_modes():
 
 
 def test_override_changes_the_map():
-    description = json.loads(hetero("layout", "colocated_vlm", "llm.layout.tp=4", "llm.layout.dp=1", "llm.micro_batch_size=16", "--json"))
+    description = json.loads(hetero("layout", "colocated_vlm", "llm.layout.tp=4", "llm.layout.dp=1", "llm.micro_batch_size=44", "--json"))
     assert [r["tp"] for r in description["ranks"] if r["module"] == "llm"] == [0, 1, 2, 3]
 
 

@@ -22,6 +22,9 @@ from hetero.models.vit.config import ViTConfig
 from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
+from hetero.data.rank_batches import compact
+from hetero.train.data_agreement import agreed
+from hetero.train.job import checked
 
 KINDS = default_registry()
 LLM = GPTConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, seq_len=16)
@@ -155,15 +158,20 @@ def test_kinds_without_columns_check_nothing():
 
 # ------------------------------------------------------------------------ four ranks, partners elsewhere
 
-def bad_batches(rank, world_size):
-    """vision dp2 on ranks 0-1 and dna dp2 on ranks 2-3 feed an LLM at tp2·cp2 on ranks 0-3: every bad
-    batch (training and evaluation) raises on every rank at once; then a good one trains everywhere."""
+def four_ranks(world_size):
+    """vision dp2 on ranks 0-1 and dna dp2 on ranks 2-3 feed an LLM at tp2·cp2 on ranks 0-3."""
     layouts = {"vision": ("vit", VISION, {"dp": 2, "ranks": [0, 1]}),
                "dna": ("genezip", DNA, {"dp": 2, "ranks": [2, 3]}), "llm": ("gpt", LLM, {"tp": 2, "cp": 2})}
     config = experiment(world_size, {name: module(kind, model, layout, OptimizerConfig())
                                      for name, (kind, model, layout) in layouts.items()},
                         edges=[("vision", "llm"), ("dna", "llm")], global_batch=ROWS, microbatches=1)
-    runtime = build_runtime(config)
+    return build_runtime(config)
+
+
+def bad_batches(rank, world_size):
+    """Every bad batch (training and evaluation) raises on every rank at once; then a good one trains
+    everywhere."""
+    runtime = four_ranks(world_size)
     good = vlm_batch()
     dna = good["dna"].clone()
     dna[1, 3] = 7
@@ -192,7 +200,45 @@ def test_bad_batches_are_refused_on_every_rank_before_any_message():
         "per row or set vision.model.image_size=20",
         "dna: the batch's dna hold values 0..7, outside 0..4 (the bases ACGTN, hetero.data.genome.BASES); encode "
         "the bases with hetero.data.genome.encode (A C G T: 0..3, anything else: 4)",
-        "vision: the batch's images hold 2 rows but its tokens hold 4; give every per-row column one entry per row",
+        "vision: the batch's images hold 2 rows but the batch has 4; give every per-row column one entry per row",
         1.0,
     ]
     assert max(seconds for rank in results for _, seconds in rank) < 10.0
+
+
+def compact_batches(rank, world_size):
+    """Each rank holds its own rows (``hetero.data.rank_batches``): the good batch evaluates as the global
+    one does; a bad DNA window in row 1, which rank 2 alone holds, stops every rank inside the job's data
+    agreement, before the step."""
+    runtime = four_ranks(world_size)
+    reads = runtime.rank_reads()
+    good = vlm_batch()
+    mine = compact(good, reads(good)[0])
+    held = {key: torch.nonzero(mine[f"held:{key}"]).flatten().tolist() for key in ("tokens", "images", "dna")}
+    same = runtime.evaluate([mine]) == runtime.evaluate([good])
+    dna = good["dna"].clone()
+    dna[1, 3] = 7
+    bad = good | {"dna": dna}
+    bad = compact(bad, reads(bad)[0])
+    try:
+        agreed(lambda: checked(runtime, (1, bad, {})), runtime.device, "its batch for step 1")
+        return held, same, None
+    except Exception as error:  # noqa: BLE001 - which one each rank raises is the point
+        return held, same, f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.timeout(240)
+def test_a_bad_row_only_one_rank_holds_stops_every_rank():
+    results = run_ranks(compact_batches, 4, timeout_s=200, collective_timeout_s=60)
+    every = [0, 1, 2, 3]
+    assert [held for held, _, _ in results] == [{"tokens": every, "images": [0, 1], "dna": []},
+                                                {"tokens": every, "images": [2, 3], "dna": []},
+                                                {"tokens": every, "images": [], "dna": [0, 1]},
+                                                {"tokens": every, "images": [], "dna": [2, 3]}]
+    assert all(same for _, same, _ in results)
+    dna = ("dna: the batch's dna hold values 0..7, outside 0..4 (the bases ACGTN, hetero.data.genome.BASES); "
+           "encode the bases with hetero.data.genome.encode (A C G T: 0..3, anything else: 4)")
+    assert results[2][2] == f"ValueError: {dna}"
+    for rank in (0, 1, 3):
+        assert results[rank][2] == f"DataError: rank 2 could not build its batch for step 1, so no rank starts it: " \
+                                   f"ValueError: {dna}"

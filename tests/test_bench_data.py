@@ -27,3 +27,16 @@ def test_the_packing_benchmark_trains_both_variants_on_the_same_documents(capsys
     assert result["packed"]["positions"] >= useful and result["padded"]["positions"] == 40 * 128
     packing.main(["--documents", "24", "--seq-len", "128", "--rows", "4", "--rounds", "1"])
     assert "useful tokens/s, packed / padded" in capsys.readouterr().out
+
+
+def test_the_row_bytes_benchmark_holds_each_rank_to_its_rows(tmp_path, monkeypatch):
+    from hetero.bench import row_bytes
+
+    monkeypatch.chdir(tmp_path)  # the digits' shards are written under the working directory
+    ranks = row_bytes.measured()
+    assert [r["held"] for r in ranks] == [{"images": 11, "tokens": 0, "labels": 0}] * 4 + \
+        [{"images": 0, "tokens": 22, "labels": 22}] * 4  # ViT dp4: 44/4 rows; LLM dp2: 44/2 rows
+    assert all(r["compact"] < r["global"] / 4 for r in ranks)
+    small, large = row_bytes.simulated([64, 4096], rows=8, seq_len=32768)
+    assert large["rows"] == 64 * small["rows"] and large["global"] > 60 * small["global"]
+    assert small["llm"] < large["llm"] < 1.05 * small["llm"]  # flat but for a few bytes of bookkeeping per row

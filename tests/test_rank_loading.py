@@ -1,6 +1,7 @@
 """Each rank reads only what its modules take: the tower's replicas decode each their share of every
 step's images (together each image once, their pixels alone in the batch), LLM-only ranks none; the
-LLM's replicas tokenize their rows (tower-only ranks none); every other column is the global batch's. Vision dp4 (ranks 0-3, its projector beside it) and an LLM
+LLM's replicas tokenize their rows and hold those alone (tower-only ranks none); the columns of one value
+per row are the global batch's. Vision dp4 (ranks 0-3, its projector beside it) and an LLM
 at dp2 (ranks 4-5) on the example conversations, one a row and packed, and on a mixture of conversations
 and image-caption shards."""
 
@@ -9,7 +10,6 @@ import torch
 from hetero.config import load_experiment
 from hetero.data.example import write_llava, write_webdataset
 from hetero.testing.kinds import build_graph
-from hetero.data.digits import IGNORE_INDEX
 from hetero.runtime.rows import rank_reads
 from hetero.data.splits import load
 
@@ -18,7 +18,7 @@ LAYOUT = ["world_size=6", "vision.layout.dp=4", "projector.layout.dp=4", "llm.la
           "llm.layout.offset=4", "llm.micro_batch_size=4"]
 
 
-def test_each_rank_decodes_its_share_and_holds_the_global_batch_otherwise(tmp_path):
+def test_each_rank_decodes_its_share_and_holds_its_own_rows_alone(tmp_path):
     path = write_llava(tmp_path / "llava", 300, seed=0)
     shards = write_webdataset(tmp_path / "shards", 200, seed=0)[0].parent
     mixture = (f"+train.data.mixture=[{{format: llava, path: '{path}', weight: 2}}, "
@@ -38,14 +38,17 @@ def test_each_rank_decodes_its_share_and_holds_the_global_batch_otherwise(tmp_pa
                 decoded.append(mine.shaper.decoded - before)
                 rows, read = reads(batch)
                 assert decoded[-1] == len(read) and (len(read) > 0) == (rank < 4) and (len(rows) > 0) == (rank >= 4)
-                assert batch.keys() == whole.keys() | {"image_held"} and torch.equal(batch["image_held"], read)
-                for key in whole.keys() - {"tokens", "labels", "image_pixels"}:
+                rowed = {"tokens", "labels", "documents"} & whole.keys()
+                assert batch.keys() == whole.keys() | {"image_held"} | {f"held:{key}" for key in rowed}
+                assert torch.equal(batch["image_held"], read)
+                rows = rows.get("tokens", torch.zeros(0, dtype=torch.long))
+                for key in rowed:
+                    assert torch.equal(torch.nonzero(batch[f"held:{key}"]).flatten(), rows)
+                for key in whole.keys() - rowed - {"image_pixels"}:
                     assert torch.equal(batch[key], whole[key]), key
                 assert torch.equal(batch["image_pixels"], whole["image_pixels"][read])
-                others = torch.ones(len(batch["tokens"]), dtype=torch.bool)
-                others[rows] = False
-                for key, pad in (("tokens", mine.shaper.pad_id), ("labels", IGNORE_INDEX)):
-                    assert torch.equal(batch[key][rows], whole[key][rows]) and (batch[key][others] == pad).all()
+                for key in rowed:  # the rank's rows alone
+                    assert torch.equal(batch[key], whole[key][rows]), key
             table.append(decoded)
             tokenized.append(mine.shaper.tokenized)
         once = load(experiment, graph, "train")

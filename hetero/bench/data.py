@@ -98,7 +98,7 @@ def simulated(worlds: list[int]) -> list[dict]:
         graph, meta = plan_world(world)
         (_, tower), (llm_rows, llm) = (rank_reads(graph, 1, rank)(meta) for rank in (0, world - 1))
         rows.append({"world": world, "global": len(meta["image_row"]), "tower": len(tower), "llm": len(llm),
-                     "llm_rows": len(llm_rows)})
+                     "llm_rows": len(llm_rows["tokens"])})
     return rows
 
 
@@ -131,7 +131,7 @@ def balance(path: Path, steps: int) -> dict[str, list[float]]:
     batches, ratios = load(experiment, graph, "train"), {"patches": [], "count": []}
     for step in range(steps):
         none = torch.zeros(0, dtype=torch.long)
-        plan = batches.batch(step, lambda places: (none, none))  # bookkeeping: nothing tokenized or decoded
+        plan = batches.batch(step, lambda places, columns: ({}, none))  # bookkeeping: nothing tokenized or decoded
         costs, rows = plan["image_grid"].prod(1), StepRows(graph, plan, 1)
         loads = {"patches": [int(costs[rows.local("vision", 0, d)].sum()) for d in range(4)],
                  "count": [int(costs[part].sum()) for part in torch.tensor_split(rows.module("vision", 0), 4)]}

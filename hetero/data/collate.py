@@ -35,6 +35,7 @@ from hetero.data.samples import ImageRef, Sample, SampleError
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph, Node
 from hetero.interop.llava import image_token_text
+from hetero.kinds.batch_rows import held_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -249,24 +250,21 @@ class Shaper:
         """The columns of ``rows``, each a list of documents laid end to end (``packed``: with ``documents``,
         each position's document in its row, the padding one of its own), and ``label_counts``, each row's
         labels that carry a loss. ``reads``: the rows and items this rank's modules take, from the batch's
-        bookkeeping (``hetero.runtime.rows.RankReads``): only those rows are tokenized (the others hold
-        padding) and only those images read, their pixels alone in the batch with ``image_held``, their
-        numbers (None: every row and image)."""
+        bookkeeping (``hetero.runtime.rows.RankReads``): a compact batch (``hetero.kinds.batch_rows``) of
+        those rows alone, tokenized, and those images alone, read, their numbers in ``image_held`` (None:
+        every row and image)."""
         length = self.seq_len
-        documents = torch.zeros(len(rows), length, dtype=torch.long)
         label_counts = torch.zeros(len(rows), dtype=torch.long)
         row_of, starts, images = [], [], []
         for r, row in enumerate(rows):
             offset = 0
-            for d, doc in enumerate(row):
-                documents[r, offset : offset + doc.length] = d
+            for doc in row:
                 label_counts[r] += doc.label_count
                 for start, image in doc.images:
                     row_of.append(r)
                     starts.append(offset + start)
                     images.append(image)
                 offset += doc.length
-            documents[r, offset:] = len(row)
         places = {"index": index.long()}
         if self.vision is not None:
             places |= {"image_row": torch.tensor(row_of, dtype=torch.long),
@@ -275,16 +273,28 @@ class Shaper:
             if config.max_patches:
                 grids = [(p.shape[1] // config.patch_size, p.shape[2] // config.patch_size) for p in images]
                 places["image_grid"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 2)
-        held_rows, held = reads(places) if reads is not None else (range(len(rows)), None)
-        tokens = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
-        for r in [int(r) for r in held_rows]:
+        text = ("tokens", "labels") + (("documents",) if packed else ())
+        if reads is None:
+            held_rows, held = torch.arange(len(rows)), None
+        else:
+            by_column, held = reads(places, self.columns(packed))
+            held_rows = torch.unique(torch.cat([by_column.get(key, torch.zeros(0, dtype=torch.long)) for key in text]))
+        tokens = torch.full((len(held_rows), length), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(held_rows), length), IGNORE_INDEX, dtype=torch.long)
+        documents = torch.zeros(len(held_rows), length, dtype=torch.long)
+        for h, r in enumerate(held_rows.tolist()):
             offset = 0
-            for doc in rows[r]:
-                tokens[r, offset : offset + doc.length], labels[r, offset : offset + doc.length] = doc.text()
+            for d, doc in enumerate(rows[r]):
+                tokens[h, offset : offset + doc.length], labels[h, offset : offset + doc.length] = doc.text()
+                documents[h, offset : offset + doc.length] = d
                 offset += doc.length
+            documents[h, offset:] = len(rows[r])
         batch = {"tokens": tokens, "labels": labels, "index": places.pop("index")}
         batch |= ({"documents": documents} if packed else {}) | {"label_counts": label_counts} | places
+        if reads is not None:
+            flags = torch.zeros(len(rows), dtype=torch.bool)
+            flags[held_rows] = True
+            batch |= {held_key(key): flags for key in text}
         if self.vision is None:
             return batch
         if held is None:

@@ -41,7 +41,7 @@ class DataConfig:
     too_long: str = "error"  # a sample longer than the LLM's seq_len: error | truncate | skip
     pack: bool = False  # users' conversations: several to a row (documents), or one a row, padded
     options: dict[str, Any] = field(default_factory=dict)  # a user format's own options
-    per_rank: bool = True  # users' formats: each rank decodes only the images its modules take (false: all)
+    per_rank: bool = True  # each rank holds only the rows and images its modules read (false: the global batch)
     workers: int = 0  # processes that build the next steps' batches while one trains (0: the loop builds them)
 
     def errors(self) -> list[str]:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from hetero.errors import ConfigError
+from hetero.kinds.batch_rows import take_rows
 from hetero.kinds.columns import Column, column_errors
 from hetero.parallel.layout import Layout
 from hetero.parallel.mesh import ModuleMesh
@@ -227,8 +228,9 @@ class Kind:
 
     def host_columns(self, config: Any, batch: dict[str, torch.Tensor], keys: Iterable[str],
                      local: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The columns ``keys`` of the rows (or items) ``local`` of ``batch``, on the host."""
-        return {key: batch[key][local] for key in keys}
+        """The columns ``keys`` of the rows (or items) ``local`` (global numbers) of ``batch``, on the host
+        (``hetero.kinds.batch_rows``: a compact batch holds the rank's rows alone)."""
+        return {key: take_rows(batch, key, local) for key in keys}
 
     def optional_keys(self, available: Iterable[str]) -> tuple[str, ...]:
         """Columns of ``available`` it also reads, when a batch has them (e.g. packed rows' documents)."""
@@ -319,7 +321,9 @@ class Kind:
         return []
 
     def loss_count(self, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> int:
-        """The divisor of the loss sums over the global ``batch``, of which the module processes ``rows``."""
+        """The divisor of the loss sums over the global ``batch``, of which the module processes ``rows``:
+        every rank computes it, so it reads the batch's one-value-per-row columns alone, which a compact
+        batch holds for every row (``hetero.kinds.batch_rows``)."""
         return len(rows)
 
     def stage(self, model: nn.Module, step: StageStep) -> StageResult:

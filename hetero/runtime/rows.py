@@ -4,9 +4,9 @@ All of it is host-side bookkeeping (CPU tensors, made so explicitly). Microbatch
 presence flag for its kind's modality (``has_<modality>``) is set, or every row; its DP replicas split
 those rows into contiguous runs, earlier replicas taking the extra row. An edge carries the rows both its
 modules process, in order, so each replica on either side holds one contiguous run of them. Every rank
-holds the same bookkeeping (the batch's rows and its images' places; a loader may leave out the tokens
-and pixels the rank's modules do not read, ``RankReads``) and computes the same answer, so all agree on
-shapes and skipped calls.
+holds the same bookkeeping (the batch's columns of one value per row and its images' places; a loader
+may leave out the rows and pixels the rank's modules do not read, ``RankReads``,
+``hetero.kinds.batch_rows``) and computes the same answer, so all agree on shapes and skipped calls.
 
 A module whose kind works on items (images: the batch's ``image_*`` columns, one entry per image,
 ``image_row`` naming the row each belongs to) processes the items of the microbatch's rows instead, and
@@ -18,21 +18,15 @@ items carries them as rows, whatever each side's dp.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from hetero.data.digits import dp_rows
 from hetero.graph.graph import Edge, Graph
+from hetero.kinds.batch_rows import batch_size
 from hetero.parallel.sharding import Rows
-
-
-ITEM_PREFIX = "image_"  # columns with an entry per image (or per patch), not per row
-
-
-def batch_size(batch: dict[str, torch.Tensor]) -> int:
-    """The rows of a global batch: the length of its per-row columns."""
-    return len(next(v for k, v in batch.items() if not k.startswith(ITEM_PREFIX)))
 
 
 def balanced_split(costs: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -150,27 +144,45 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def reads_of(node, available: Iterable[str]) -> tuple[str, ...]:
+    """The batch columns module ``node`` reads in a batch with columns ``available``: its data keys, and
+    the optional and evaluation ones the batch has."""
+    kind, available = node.kind, tuple(available)
+    return kind.data_keys(node.config) + kind.optional_keys(available) + kind.evaluation_keys(available)
+
+
 @dataclass(frozen=True)
 class RankReads:
     """What one rank's modules read of a batch, as global row and item numbers: for each module the rank
     holds, its replica's share in every microbatch, at every pipeline stage (each stage takes its replica's
     columns: the first the inputs, the last the labels). Rows for the modules reading per-row columns
     (tokens), items for the modules of items (images). A function of the batch's bookkeeping alone (its
-    ``index`` and ``image_row``, ``image_start``, ``image_grid``), so a loader can tell what to tokenize
-    and what to decode before it does either."""
+    ``index`` and presence flags, ``image_row``, ``image_start``, ``image_grid``), so a loader can tell
+    what to tokenize and what to decode before it does either."""
 
     graph: Graph
     microbatches: int
     replicas: tuple[tuple[str, int], ...]  # (module, the rank's DP coordinate in it)
 
-    def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the rows, the items) this rank reads, each ascending."""
+    def __call__(self, batch: dict[str, torch.Tensor], available: Iterable[str] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(the rows this rank reads of each per-row column, the items it reads), each ascending; a column
+        no module here reads is absent. ``available``: the columns of the batch being built (default:
+        ``batch``'s)."""
         plan = StepRows(self.graph, batch, self.microbatches)
-        rows, items = [], []
+        available = tuple(batch if available is None else available)
+        rows: dict[str, list[torch.Tensor]] = {}
+        items = []
         for name, dp in self.replicas:
-            (items if name in plan.items else rows).extend(plan.local(name, m, dp) for m in range(self.microbatches))
+            local = [plan.local(name, m, dp) for m in range(self.microbatches)]
+            if name in plan.items:
+                items.extend(local)
+                continue
+            for key in reads_of(self.graph.nodes[name], available):
+                rows.setdefault(key, []).extend(local)
         none = torch.zeros(0, dtype=torch.long, device="cpu")
-        return tuple(torch.unique(torch.cat(part)) if part else none for part in (rows, items))
+        return ({key: torch.unique(torch.cat(parts)) for key, parts in rows.items()},
+                torch.unique(torch.cat(items)) if items else none)
 
 
 def rank_reads(graph: Graph, microbatches: int, rank: int) -> RankReads:

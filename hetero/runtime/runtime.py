@@ -30,7 +30,8 @@ from hetero.runtime.executor import Executor, RuntimeEdge
 from hetero.runtime.routed_edge import RoutedEdge
 from hetero.runtime.links import StageLinks
 from hetero.runtime.module import ModuleState
-from hetero.runtime.rows import ITEM_PREFIX, RankReads, StepRows, rank_reads
+from hetero.kinds.batch_rows import batch_size, held_key, held_rows, is_compact
+from hetero.runtime.rows import RankReads, StepRows, rank_reads
 from hetero.runtime.schedule import check_schedule
 from hetero.runtime.timing import ModuleTimer
 from hetero.runtime.trace import StepTrace
@@ -106,7 +107,7 @@ class Runtime:
             return self._train_step(batch, upcoming)
 
     def _train_step(self, batch: dict[str, torch.Tensor], upcoming: dict[str, torch.Tensor] | None) -> dict[str, float]:
-        self._check(batch)
+        self.check(batch)
         rows = StepRows(self.graph, batch, self.microbatches)
         for module in self.modules.values():
             module.zero_grad()
@@ -152,7 +153,7 @@ class Runtime:
         """This rank's forward-only encoder (``parallel.forward_ahead``, alone on its ranks): the next step's
         first microbatches' forwards and edge sends, in the order its list gives them, left in flight (the
         receivers post their receives in the next step, as for the microbatches that follow)."""
-        self._check(upcoming)
+        self.check(upcoming)
         executor = Executor(self, upcoming, StepRows(self.graph, upcoming, self.microbatches), True, self.step + 1)
         executor.run([a for a in self.actions[True] if a.microbatch < self.ahead], wait=False)
         self.sent_ahead = self.ahead
@@ -165,7 +166,7 @@ class Runtime:
                                "ahead: pass train_step no upcoming batch before an evaluation")
         losses = counts = metric_sums = lows = keys = None
         for batch in batches:
-            self._check(batch)
+            self.check(batch)
             rows = StepRows(self.graph, batch, self.microbatches)
             self._begin(rows, batch, training=False)
             executor = Executor(self, batch, rows, False, self.step)
@@ -181,22 +182,24 @@ class Runtime:
             raise ValueError("evaluate() got no batches")
         return self._reduced_losses(losses, counts) | self._reduced_metrics(keys, metric_sums, lows)
 
-    def _check(self, batch: dict[str, torch.Tensor]) -> None:
+    def check(self, batch: dict[str, torch.Tensor]) -> None:
         """Refuse a batch some module cannot take (its kind's ``batch_errors``: its columns' shapes, dtypes
-        and id ranges), a declared per-row column of another row count, or an image outside its row. A
-        pure function of the global batch (shapes and dtypes, and one min/max of bounded ids), checked
-        before the step's first message: every rank raises the same ``ValueError``, whichever modules it
-        holds, and none waits on another. A loader that leaves out the tokens and pixels a rank does not
-        read (``RankReads``) keeps every shape but the pixels', which ``image_held`` counts, and ids in range
-        (its tokenizer is checked against the vocabulary before launch)."""
+        and id ranges), a declared per-row column of another row count, or an image outside its row: a
+        ``ValueError`` naming each. Host-side (shapes and dtypes, and one min/max of bounded ids). On a
+        global batch every rank finds the same errors, whichever modules it holds, so none waits on
+        another. A compact batch (``hetero.kinds.batch_rows``) holds each rank's own rows, whose values
+        only that rank sees: the training job checks it inside its data agreement
+        (``hetero.train.data_agreement``), so that a bad row stops every rank before the step's first
+        message."""
         errors = [error for name, node in self.graph.nodes.items()
                   for error in node.kind.batch_errors(name, node.config, batch)]
-        first = next((key for key in batch if not key.startswith(ITEM_PREFIX)), None)
-        if not errors and first is not None:
-            errors = [f"{name}: the batch's {column.name} hold {len(batch[column.name])} rows but its {first} hold "
-                      f"{len(batch[first])}; give every per-row column one entry per row"
+        if not errors:
+            errors = [f"{name}: the batch's {column.name} hold {len(batch[column.name])} rows but "
+                      + (f"its {held_key(column.name)} flags {held_rows(batch, column.name)}"
+                         if is_compact(batch, column.name) else f"the batch has {batch_size(batch)}")
+                      + "; give every per-row column one entry per row"
                       for name, node in self.graph.nodes.items() for column in node.kind.columns(node.config)
-                      if column.rows and column.name in batch and len(batch[column.name]) != len(batch[first])]
+                      if column.rows and column.name in batch and len(batch[column.name]) != held_rows(batch, column.name)]
         if not errors:
             errors = [error for edge in self.edges.values() if isinstance(edge, RoutedEdge)
                       for error in edge.batch_errors(batch)]

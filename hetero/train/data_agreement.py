@@ -2,8 +2,9 @@
 
 A rank that reads only its own rows and images (``train.data.per_rank``), or builds its batches in
 worker processes, can fail alone: an image whose header read but whose pixels do not, a worker that
-died. Its partners would go on into the step and wait on it until the fault guard stops them. Instead
-each rank builds its batch inside ``agreed``, which all-reduces one flag: when any rank failed, every
+died, a row only this rank holds that a module cannot take (the job checks each batch inside
+``agreed``). Its partners would go on into the step and wait on it until the fault guard stops them.
+Instead each rank builds its batch inside ``agreed``, which all-reduces one flag: when any rank failed, every
 rank raises before the step's first message, the failing rank its own error and the others a
 ``DataError`` that names that rank and carries its message. One integer per step on the world's group.
 """

@@ -10,7 +10,6 @@ end (every module's losses and metrics), checkpoints every ``checkpoint.every`` 
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import time
@@ -23,13 +22,15 @@ import torch.distributed as dist
 from hetero.config import ExperimentConfig
 from hetero.data import splits
 from hetero.data.loader import StepLoader
-from hetero.data.sample_batches import SampleBatches
+from hetero.data.rank_batches import rank_heldout
 from hetero.errors import ConfigError
 from hetero.graph import Graph, build_graph
 from hetero.interop.hf_source import imported_sources
 from hetero.kinds.registry import KindRegistry
 from hetero.parallel.mesh import init_distributed
+from hetero.kinds.batch_rows import batch_size
 from hetero.runtime import Runtime, build_runtime
+from hetero.runtime.rows import RankReads
 from hetero.train.checkpoint import (Checkpointer, RunIdentity, check_module_sources, check_resumable,
                                      load_module_weights, resolve_resume)
 from hetero.train.data_agreement import agreed
@@ -178,8 +179,7 @@ def evaluate_checkpoint(experiment: ExperimentConfig, registry: KindRegistry) ->
         data = splits.load_splits(experiment, graph)
         started = time.perf_counter()
         with job.guard.step(f"evaluation of step {weights.step}"):
-            evaluated = evaluate(job.runtime, data["heldout"], experiment.train.eval_batches,
-                                 _reads(job, data["train"]))
+            evaluated = evaluate(job.runtime, data["heldout"], experiment.train.eval_batches, _reads(job))
         seconds = time.perf_counter() - started
         job.log.evaluation(weights.step, evaluated, seconds)
     summary = {"step": float(weights.step), **{f"heldout_{k}": v for k, v in evaluated.items()},
@@ -213,10 +213,9 @@ def _start(experiment: ExperimentConfig, graph: Graph, checkpoints: Checkpointer
                RunLog(experiment, log_dir, enabled=rank == 0, job_type="train" if saves else "eval"))
 
 
-def _reads(job: Job, train_batches) -> object:
-    """The rows and images this rank reads of users' formats under ``train.data.per_rank`` (else None)."""
-    per_rank = job.experiment.train.data.per_rank and isinstance(train_batches, SampleBatches)
-    return job.runtime.rank_reads() if per_rank else None
+def _reads(job: Job) -> RankReads | None:
+    """The rows and images this rank reads under ``train.data.per_rank`` (else None: the global batch)."""
+    return job.runtime.rank_reads() if job.experiment.train.data.per_rank else None
 
 
 def _losses(metrics: dict[str, float]) -> dict[str, float]:
@@ -252,7 +251,7 @@ def _loop(job: Job, start: int, last: dict[str, float]) -> dict[str, float]:
     started = time.perf_counter()
     evaluated: dict[str, float] = {}
     metrics = dict(last) or {"loss": math.nan}
-    reads = _reads(job, train_batches)
+    reads = _reads(job)
     loader = StepLoader(train_batches, start + 1, cfg.steps, cfg.sample_reuse, cfg.data.workers, runtime.device,
                         experiment.timeout_s, reads)
     tick, waited = time.perf_counter(), []  # the first step's time includes starting the workers
@@ -261,7 +260,7 @@ def _loop(job: Job, start: int, last: dict[str, float]) -> dict[str, float]:
     ahead = any(node.options.forward_ahead for node in job.graph.nodes.values())
 
     def fetch(after: int):
-        return agreed(lambda: next(batches, None), runtime.device, f"its batch for step {after + 1}")
+        return agreed(lambda: checked(runtime, next(batches, None)), runtime.device, f"its batch for step {after + 1}")
 
     item = fetch(start)
     while item is not None:
@@ -304,13 +303,27 @@ def _loop(job: Job, start: int, last: dict[str, float]) -> dict[str, float]:
             "seconds": time.perf_counter() - started}
 
 
-def evaluate(runtime: Runtime, heldout: splits.Batches, max_batches: int = 0, reads=None) -> dict[str, float]:
+def checked(runtime: Runtime, item):
+    """``item`` (a loader's ``(step, batch, skipped)``, or None at the end) once its batch passed the
+    runtime's checks: run inside the data agreement, a row only this rank holds that a module cannot
+    take stops every rank."""
+    if item is not None:
+        runtime.check(item[1])
+    return item
+
+
+def evaluate(runtime: Runtime, heldout: splits.Batches, max_batches: int = 0,
+             reads: RankReads | None = None) -> dict[str, float]:
     """Held-out losses and metrics over the first ``max_batches`` full held-out batches (0: all); ``reads``:
-    the rows and images this rank reads (users' formats, ``RankReads``)."""
-    batches = agreed(lambda: heldout.ordered_batches() if reads is None else heldout.ordered_batches(reads),
-                     runtime.device, "its held-out batches")
-    full = (b for b in batches if len(next(iter(b.values()))) == heldout.global_batch_size)
-    return runtime.evaluate(itertools.islice(full, max_batches or None))
+    the rows and images this rank reads (``hetero.data.rank_batches``; None: the global batches)."""
+    def built() -> list[dict[str, torch.Tensor]]:
+        full = [b for b in rank_heldout(heldout, reads) if batch_size(b) == heldout.global_batch_size]
+        full = full[: max_batches or None]
+        for batch in full:
+            runtime.check(batch)
+        return full
+
+    return runtime.evaluate(agreed(built, runtime.device, "its held-out batches"))
 
 
 def _skipped(job: Job, step: int) -> None:

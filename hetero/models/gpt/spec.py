@@ -38,6 +38,7 @@ from hetero.models.gpt.megatron import MegatronGPT, to_megatron
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.moe import routed_layers
 from hetero.models.gpt.plan import parallelize_gpt
+from hetero.kinds.batch_rows import take_rows
 from hetero.kinds.columns import INTEGER, LONG, Column, Dim, column_errors
 from hetero.kinds.registry import Kind, Metric, Port, StageResult, StageStep
 from hetero.parallel.context import split_for_cp, zigzag_indices
@@ -166,7 +167,7 @@ class GPTKind(Kind):
         out the rows a rank does not read), else counted."""
         if "label_counts" in batch:
             return int(batch["label_counts"][rows].sum())
-        return int((batch["labels"][rows] != IGNORE_INDEX).sum())
+        return int((take_rows(batch, "labels", rows) != IGNORE_INDEX).sum())
 
     def stage_shape(self, config: GPTConfig, rows: int, layout: Layout, options: ParallelOptions) -> tuple[int, ...]:
         """The residual stream: this rank's tokens (its CP chunks, its SP part), fp32 under bf16 autocast."""

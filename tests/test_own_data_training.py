@@ -55,6 +55,23 @@ def test_a_mixture_read_per_rank_trains_bit_for_bit_as_read_everywhere(tmp_path)
     assert len(apart[0]) == 3 and len(apart[1]) == 1 and apart == everything  # bit for bit
 
 
+def test_the_digits_join_a_mixture_with_conversations(tmp_path):
+    """A built-in dataset as a mixture component: the digits, each a conversation about its image, drawn
+    one to one with LLaVA conversations; per-rank loading trains bit for bit as reading everything, and
+    each step holds samples of both."""
+    path = write_llava(tmp_path / "llava", 300, seed=0)
+    mixture = (f"+train.data.mixture=[{{format: digits, weight: 1}}, {{format: llava, path: '{path}', weight: 1}}]")
+    where = [f"train.data_dir={tmp_path / 'digits'}", "train.sample_log=true"]
+    apart = run(tmp_path, "apart", mixture, *where)
+    everything = run(tmp_path, "everything", mixture, *where, "train.data.per_rank=false")
+    print(f"\ndigits + conversations: (loss, grad norm) per step, held-out: per rank {apart}, everything {everything}")
+    assert len(apart[0]) == 3 and len(apart[1]) == 1 and apart == everything
+    digits = 1621  # the digits' training split comes first in the mixture's sample ids
+    for line in (tmp_path / "apart" / "own_data_vlm" / "samples.jsonl").open():
+        ids = json.loads(line)["ids"]
+        assert len(ids) == 16 and any(i < digits for i in ids) and any(i >= digits for i in ids)
+
+
 NATIVE = """
 name: native_own_data
 world_size: 2

@@ -1,20 +1,21 @@
-"""Several sources at once (``train.data.mixture``): samples of users' formats drawn by weight, in an
-order that depends only on the seed (``hetero.data.sample_batches``)."""
+"""Several sources at once (``train.data.mixture``): samples of users' formats (and the digits, as
+conversations) drawn by weight, in an order that depends only on the seed
+(``hetero.data.sample_batches``)."""
 
 from __future__ import annotations
 
 from hetero.config import ExperimentConfig
 from hetero.data.sample_batches import SampleBatches
 from hetero.data.sources.registry import data_format
-from hetero.data.sources.sample_format import SampleFormat
+from hetero.data.sources.sample_format import Samples
 from hetero.graph.graph import Graph
 
 
 def mixture_errors(experiment: ExperimentConfig, graph: Graph) -> list[str]:
     return [f"train.data.mixture[{i}].format={source.format} gives whole batches, not samples; a mixture draws "
-            f"samples of formats such as llava and webdataset"
+            f"samples of formats such as llava, webdataset, text and digits"
             for i, source in enumerate(experiment.train.data.mixture)
-            if not isinstance(data_format(source.format), SampleFormat)]
+            if not isinstance(data_format(source.format), Samples)]
 
 
 def mixture_batches(experiment: ExperimentConfig, graph: Graph, split: str) -> SampleBatches:

@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from hetero.config import ExperimentConfig
 from hetero.data.mixture import mixture_batches, mixture_errors
-from hetero.data.sources.builtin import BuiltIn, ShardSet
 from hetero.data.sources.format import Batches
 from hetero.data.sources.registry import data_format
 from hetero.errors import ConfigError
@@ -22,12 +21,11 @@ from hetero.graph.graph import Graph
 def check(experiment: ExperimentConfig, graph: Graph) -> None:
     """Refuse, from the config alone, data that is unknown or cannot feed the graph's modules."""
     data = experiment.train.data
+    problems = mixture_errors(experiment, graph) if data.mixture else []
+    if problems:
+        raise ConfigError("; ".join(problems))
     for source in data.sources():
         data_format(source.format).check(experiment, graph, source)
-    if data.mixture:
-        problems = mixture_errors(experiment, graph)
-        if problems:
-            raise ConfigError("; ".join(problems))
 
 
 def open_sources(experiment: ExperimentConfig, graph: Graph) -> None:
@@ -35,12 +33,6 @@ def open_sources(experiment: ExperimentConfig, graph: Graph) -> None:
     check(experiment, graph)
     for source in experiment.train.data.sources():
         data_format(source.format).open(experiment, graph, source)
-
-
-def shard_sets(experiment: ExperimentConfig, graph: Graph) -> list[ShardSet]:
-    """The shard sets a built-in dataset writes (none for users' files)."""
-    fmt = data_format(experiment.train.data.format)
-    return fmt.shard_sets(experiment, graph) if isinstance(fmt, BuiltIn) else []
 
 
 def prepare(experiment: ExperimentConfig, graph: Graph) -> None:

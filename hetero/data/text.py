@@ -134,21 +134,29 @@ def sample_batch(
     The offsets depend only on ``(seed, step)``, so every rank and a single-process reference draw the
     same batch for a step whatever they sampled before.
     """
+    return windows(data, window_starts(data, batch_size, seq_len, step, seed), seq_len)
+
+
+def window_starts(data: torch.Tensor, batch_size: int, seq_len: int, step: int, seed: int) -> torch.Tensor:
+    """Where step ``step``'s training windows start in ``data`` (``sample_batch``'s): each window's id."""
     _check_length(data, seq_len)
     generator = torch.Generator().manual_seed(_step_seed(seed, step))
-    starts = torch.randint(0, data.numel() - seq_len, (batch_size,), generator=generator)
-    return _windows(data, starts, seq_len)
+    return torch.randint(0, data.numel() - seq_len, (batch_size,), generator=generator)
 
 
 def heldout_batches(
     data: torch.Tensor, batch_size: int, seq_len: int, num_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``num_batches`` evaluation batches of windows spread evenly from the start to the end of ``data``."""
+    return [windows(data, chunk, seq_len) for chunk in heldout_starts(data, batch_size, seq_len, num_batches)]
+
+
+def heldout_starts(data: torch.Tensor, batch_size: int, seq_len: int, num_batches: int) -> list[torch.Tensor]:
+    """Where each evaluation batch's windows start in ``data`` (``heldout_batches``'s)."""
     _check_length(data, seq_len)
     count = batch_size * num_batches
     last_start = data.numel() - seq_len - 1
-    starts = torch.arange(count) * last_start // max(count - 1, 1)
-    return [_windows(data, chunk, seq_len) for chunk in starts.split(batch_size)]
+    return list((torch.arange(count) * last_start // max(count - 1, 1)).split(batch_size))
 
 
 def _build_corpus(max_bytes: int, heldout_every: int) -> TextCorpus:
@@ -196,7 +204,7 @@ def _check_length(data: torch.Tensor, seq_len: int) -> None:
         raise ValueError(f"data has {data.numel()} tokens; seq_len={seq_len} needs at least {seq_len + 1}")
 
 
-def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     windows = data[starts[:, None] + torch.arange(seq_len + 1)].long()
     return windows[:, :-1], windows[:, 1:]
 
@@ -225,5 +233,5 @@ class WindowSet:
             order = torch.randperm(len(self), generator=torch.Generator().manual_seed(_step_seed(self.seed, epoch)))
             ids.append(int(order[offset]))
         index = torch.tensor(ids)
-        tokens, labels = _windows(self.data, self.starts[index], self.seq_len)
+        tokens, labels = windows(self.data, self.starts[index], self.seq_len)
         return tokens, labels, index

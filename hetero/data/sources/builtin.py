@@ -7,14 +7,16 @@ into directories of their own, so no two ever meet: the digits in ``train.data_d
 with the same options is reused, and a directory that holds anything else is refused.
 
 - ``digits``: captioned scikit-learn digits (``images``, ``tokens``, ``labels``, ``digit_position``);
-  with ``train.stream_buffer`` > 0 its training split streams through a shuffle buffer;
+  with ``train.stream_buffer`` > 0 its training split streams through a shuffle buffer; in a mixture,
+  each digit is a conversation about its image, shaped like users' samples;
 - ``digits_dna``: the same with a genome window per sample and its GC-content bin in the caption;
 - ``multimodal``: text always, and an image, a genome window and a clip, each present with its own
   probability (``train.presence``);
 - ``video_clips``: clips that revisit a scene (``clips``, ``revisit``, ``index``);
 - ``genome``: windows of a bacterial chromosome (``dna``, ``dna_regions``);
 - ``photo_documents``: long packed rows of documents that mix photographs at native resolution and text;
-- ``stdlib_text``: windows of Python's standard-library sources (``tokens``, ``labels``): bytes, or the
+- ``stdlib_text``: windows of Python's standard-library sources (``tokens``, ``labels``, ``index``: where
+  each starts): bytes, or the
   tokens of the ``tokenizer.json`` beside the LLM's ``init.hf`` checkpoint when it has one.
 """
 
@@ -34,9 +36,11 @@ from hetero.data.genome import GenomeOptions, GenomeWindows, ensure_genome_shard
 from hetero.data.multimodal import MultimodalBatches
 from hetero.data.photo_documents import PhotoDocuments
 from hetero.data.shards import ShardError
+from hetero.data.sources.digit_conversations import DigitConversations
 from hetero.data.sources.format import Batches, DataFormat
+from hetero.data.sources.sample_format import Samples
 from hetero.data.stream import ShardStream
-from hetero.data.text import heldout_batches, load_stdlib_corpus, sample_batch, tokenized
+from hetero.data.text import heldout_starts, load_stdlib_corpus, tokenized, window_starts, windows
 from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards, video_shards
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph, Node
@@ -64,7 +68,8 @@ class Renamed:
 
 class TextWindows:
     """Random training windows of the text corpus per step; held-out windows spread over its held-out
-    part. Byte tokens, or ``tokenizer``'s (a ``tokenizer.json``) when given."""
+    part. Byte tokens, or ``tokenizer``'s (a ``tokenizer.json``) when given; a window's ``index`` is where
+    it starts in its split."""
 
     def __init__(self, split: str, global_batch_size: int, seq_len: int, seed: int, tokenizer: Path | None = None):
         corpus = load_stdlib_corpus()
@@ -73,13 +78,16 @@ class TextWindows:
         self.split, self.global_batch_size, self.seq_len, self.seed = split, global_batch_size, seq_len, seed
         self.data = corpus.train if split == "train" else corpus.heldout
 
+    def _batch(self, starts: torch.Tensor) -> dict[str, torch.Tensor]:
+        tokens, labels = windows(self.data, starts, self.seq_len)
+        return {"tokens": tokens, "labels": labels, "index": starts}
+
     def batch(self, step: int) -> dict[str, torch.Tensor]:
-        tokens, labels = sample_batch(self.data, self.global_batch_size, self.seq_len, step, self.seed)
-        return {"tokens": tokens, "labels": labels}
+        return self._batch(window_starts(self.data, self.global_batch_size, self.seq_len, step, self.seed))
 
     def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
-        return [{"tokens": t, "labels": y}
-                for t, y in heldout_batches(self.data, self.global_batch_size, self.seq_len, TEXT_HELDOUT_BATCHES)]
+        return [self._batch(starts) for starts in heldout_starts(self.data, self.global_batch_size, self.seq_len,
+                                                                 TEXT_HELDOUT_BATCHES)]
 
 
 def tokenizer_of(llm: Node) -> Path | None:
@@ -188,11 +196,33 @@ def _clip_set(experiment: ExperimentConfig, graph: Graph, fmt: str) -> ShardSet:
                                                                   experiment.seed))
 
 
-class Digits(BuiltIn):
+class Digits(Samples, BuiltIn):
+    """The digits: whole batches of fixed columns, or, in a mixture, conversations about each digit
+    (``digit_conversations``) that the mixture shapes as it does users' samples."""
+
     name, held, sized_by = "digits", _DIGITS, ("tokens",)
 
     def shard_sets(self, experiment, graph):
         return [_digit_set(experiment)]
+
+    def columns(self, experiment, graph, source):
+        if experiment.train.data.mixture:
+            return self.shaper(experiment, graph).columns(experiment.train.data.pack)
+        return super().columns(experiment, graph, source)
+
+    def check(self, experiment, graph, source):
+        if experiment.train.data.mixture:
+            return DataFormat.check(self, experiment, graph, source)
+        return super().check(experiment, graph, source)
+
+    def split(self, experiment, config, split):
+        return DigitConversations(experiment.train.data_dir, split, experiment.train.data.caption_prompt,
+                                  experiment.train.bad_shards)
+
+    def prepare(self, experiment, graph, source):
+        super().prepare(experiment, graph, source)
+        if experiment.train.data.mixture:
+            self.index_splits(experiment, graph, source)
 
     def load(self, experiment, graph, source, split) -> Batches:
         cfg, size, seed = experiment.train, experiment.batch.global_batch_size, experiment.seed
@@ -260,7 +290,7 @@ class Genome(BuiltIn):
 
 
 class StdlibText(BuiltIn):
-    name, held, sized_by = "stdlib_text", ("tokens", "labels"), ("tokens",)
+    name, held, sized_by = "stdlib_text", ("tokens", "labels", "index"), ("tokens",)
 
     def check(self, experiment, graph, source) -> None:
         super().check(experiment, graph, source)

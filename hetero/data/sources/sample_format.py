@@ -20,14 +20,35 @@ from hetero.graph.graph import Graph
 OPENED_SAMPLES = 4  # what ``open`` parses, tokenizes and decodes before any rank starts
 
 
-class SampleFormat(DataFormat):
-    def source(self, experiment: ExperimentConfig, config: SourceConfig, path: str) -> SampleSource:
-        """The samples at ``path``; ``ConfigError`` naming the file when it cannot be opened."""
+class Samples:
+    """What a format that serves samples by id gives a mixture (``hetero.data.mixture``): a split's
+    samples, their index, and the shaper that makes them rows."""
+
+    def split(self, experiment: ExperimentConfig, config: SourceConfig, split: str) -> SampleSource:
         raise NotImplementedError
 
     def shaper(self, experiment: ExperimentConfig, graph: Graph) -> Shaper:
         data = experiment.train.data
         return Shaper(graph, data.image_token, data.too_long)
+
+    def index(self, experiment: ExperimentConfig, source: SourceConfig, samples: SampleSource, shaper: Shaper,
+              split: str) -> SampleIndex:
+        """The index of a split's samples (``hetero.data.sample_index``), from its file or built and kept."""
+        data = experiment.train.data
+        reader = f"{source.format}|{split}|{data.heldout_every}|{data.heldout_path}|{data.caption_prompt}"
+        return sample_index(samples, shaper.tokenizer, reader)
+
+    def index_splits(self, experiment: ExperimentConfig, graph: Graph, source: SourceConfig) -> None:
+        """Index both splits, once, before the ranks read the indexes."""
+        shaper = self.shaper(experiment, graph)
+        for split in ("train", "heldout"):
+            self.index(experiment, source, self.split(experiment, source, split), shaper, split)
+
+
+class SampleFormat(Samples, DataFormat):
+    def source(self, experiment: ExperimentConfig, config: SourceConfig, path: str) -> SampleSource:
+        """The samples at ``path``; ``ConfigError`` naming the file when it cannot be opened."""
+        raise NotImplementedError
 
     def split(self, experiment: ExperimentConfig, config: SourceConfig, split: str) -> SampleSource:
         data = experiment.train.data
@@ -55,18 +76,8 @@ class SampleFormat(DataFormat):
                 if experiment.train.data.on_error != "skip":
                     raise ConfigError(f"{err} (train.data.on_error=skip skips bad samples)") from None
 
-    def index(self, experiment: ExperimentConfig, source: SourceConfig, samples: SampleSource, shaper: Shaper,
-              split: str) -> SampleIndex:
-        """The index of a split's samples (``hetero.data.sample_index``), from its file or built and kept."""
-        data = experiment.train.data
-        reader = f"{source.format}|{split}|{data.heldout_every}|{data.heldout_path}|{data.caption_prompt}"
-        return sample_index(samples, shaper.tokenizer, reader)
-
     def prepare(self, experiment: ExperimentConfig, graph: Graph, source: SourceConfig) -> None:
-        """Index both splits, once, before the ranks read the indexes."""
-        shaper = self.shaper(experiment, graph)
-        for split in ("train", "heldout"):
-            self.index(experiment, source, self.split(experiment, source, split), shaper, split)
+        self.index_splits(experiment, graph, source)
 
     def load(self, experiment, graph, source, split) -> SampleBatches:
         data, shaper = experiment.train.data, self.shaper(experiment, graph)

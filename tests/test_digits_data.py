@@ -2,7 +2,6 @@
 resume, DP slicing, and failures that must be loud (corrupt shards, interrupted writes)."""
 
 import argparse
-import json
 import shutil
 import tarfile
 from collections import Counter
@@ -21,14 +20,13 @@ from hetero.data.digits import (
     MAX_CAPTION_BYTES,
     PAD_TOKEN,
     DigitBatches,
-    dp_rows,
-    dp_slice,
     ensure_digit_shards,
     vlm_sequence,
     write_digit_shards,
 )
 from hetero.data.shards import MANIFEST, ShardError, load_manifest, read_split, write_shard_set
 from hetero.data.text import decode
+from hetero.parallel.sharding import dp_rows
 
 NUM_IMAGE_TOKENS, SEQ_LEN = 16, 48
 
@@ -138,24 +136,6 @@ def test_same_step_same_batch_and_epochs_reshuffle(shard_dir):
     assert torch.equal(big.batch(1)["index"], torch.cat([epochs[0][100:], epochs[1][:24]]))
 
 
-def test_next_batch_and_resume_continue_identically(shard_dir):
-    a = heldout_batches(shard_dir, seed=5)
-    assert all(torch.equal(a.next_batch()["index"], a.batch(step)["index"]) for step in range(13))
-    state = json.loads(json.dumps(a.state_dict()))  # survives a checkpoint
-    assert (state["epoch"], state["offset"]) == (1, 13 * 16 - 176)
-    resumed = heldout_batches(shard_dir, seed=5)
-    resumed.load_state_dict(state)
-    for _ in range(15):
-        expected, got = a.next_batch(), resumed.next_batch()
-        assert all(torch.equal(expected[k], got[k]) for k in expected)
-    # A new global batch size continues from the same sample.
-    smaller = heldout_batches(shard_dir, batch_size=8, seed=5)
-    smaller.load_state_dict(state)
-    assert torch.equal(smaller.next_batch()["index"], a.batch(13)["index"][:8])
-    with pytest.raises(ValueError, match="seed=5"):
-        heldout_batches(shard_dir, seed=6).load_state_dict(state)
-
-
 def test_ordered_batches_cover_the_split_once_in_stored_order(shard_dir, samples):
     batches = heldout_batches(shard_dir, batch_size=50).ordered_batches()
     assert [len(b["label"]) for b in batches] == [50, 50, 50, 26]
@@ -163,24 +143,16 @@ def test_ordered_batches_cover_the_split_once_in_stored_order(shard_dir, samples
     assert torch.cat([b["index"] for b in batches]).tolist() == stored
 
 
-@pytest.mark.parametrize("batch_size", [1, 3, 7, 16])
-@pytest.mark.parametrize("dp_size", [1, 2, 3, 4])
-def test_dp_slice_covers_the_batch_once(shard_dir, dp_size, batch_size):
-    batch = heldout_batches(shard_dir, batch_size=batch_size).batch(2)
-    parts = [dp_slice(batch, rank, dp_size) for rank in range(dp_size)]
-    sizes = [len(part["label"]) for part in parts]
-    assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1
-    for key, value in batch.items():
-        assert all(len(part[key]) == size for part, size in zip(parts, sizes))
-        assert torch.equal(torch.cat([part[key] for part in parts]), value)
+def test_dp_rows_cover_the_batch_once_earlier_ranks_taking_the_extra_row():
+    for size in (1, 3, 7, 16):
+        for dp in (1, 2, 3, 4):
+            parts = [dp_rows(size, rank, dp) for rank in range(dp)]
+            sizes = [part.stop - part.start for part in parts]
+            assert parts[0].start == 0 and parts[-1].stop == size and sizes == sorted(sizes, reverse=True)
+            assert all(a.stop == b.start for a, b in zip(parts, parts[1:])) and max(sizes) - min(sizes) <= 1
     assert [dp_rows(7, rank, 3) for rank in range(3)] == [slice(0, 3), slice(3, 5), slice(5, 7)]
     with pytest.raises(ValueError, match="dp_rank=4"):
-        dp_slice(batch, 4, 4)
-
-
-def test_dp_slice_refuses_tensors_of_different_batch_sizes():
-    with pytest.raises(ValueError, match="batch dim"):
-        dp_slice({"a": torch.zeros(4), "b": torch.zeros(5)}, 0, 2)
+        dp_rows(4, 4, 4)
 
 
 def test_reads_the_whole_split_under_torchrun_environment(shard_dir, monkeypatch):

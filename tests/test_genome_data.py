@@ -1,7 +1,6 @@
 """The genome windows: the real chromosome and its gene calls, the split, shards that round-trip exactly,
 deterministic batches, and failures that must be loud (mismatched shard sets, bad options)."""
 
-import json
 import re
 import socket
 from pathlib import Path
@@ -158,10 +157,6 @@ def test_same_seed_and_step_same_batch_other_steps_and_seeds_differ(shard_dir):
     epoch = torch.cat([a.batch(step)["index"] for step in range(30)] + [a.batch(30)["index"][:1]])
     assert sorted(epoch.tolist()) == list(range(481))
     assert not torch.equal(a.batch(0)["index"], loader(shard_dir, seed=4).batch(0)["index"])
-    assert all(torch.equal(a.next_batch()["bases"], a.batch(step)["bases"]) for step in range(3))
-    resumed = loader(shard_dir, seed=3)
-    resumed.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    assert torch.equal(resumed.next_batch()["regions"], a.batch(3)["regions"])
 
 
 def test_ensure_reuses_a_complete_set_and_refuses_a_different_one(shard_dir):

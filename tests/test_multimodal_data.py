@@ -86,14 +86,6 @@ def test_batches_are_deterministic_and_flags_do_not_depend_on_the_batch_size(sha
     assert torch.equal(flags, presence_flags(0, "heldout", heldout.column("index").tolist(), Presence()))
     assert not torch.equal(flags, presence_flags(1, "heldout", heldout.column("index").tolist(), Presence()))
     assert not torch.equal(flags, presence_flags(0, "train", heldout.column("index").tolist(), Presence()))
-    # Served from a cursor that resumes, like the parent's.
-    served = other.next_batch()
-    assert all(torch.equal(served[key], theirs[0][key]) for key in served)
-    state = other.state_dict()
-    other.next_batch()
-    other.load_state_dict(state)
-    served = other.next_batch()
-    assert all(torch.equal(served[key], theirs[1][key]) for key in served)
 
 
 def test_presence_rates_match_the_probabilities_independently():

@@ -255,10 +255,6 @@ def test_same_step_same_batch_across_loaders_and_seeds_differ(shard_dir):
     assert sorted(torch.cat([a.batch(s)["index"] for s in range(5)]).tolist()) == sorted(list(range(10)) * 2)
     orders = {tuple(loader(shard_dir, seed=seed).batch(0)["index"].tolist()) for seed in range(4)}
     assert len(orders) > 1
-    assert all(torch.equal(a.next_batch()["index"], a.batch(step)["index"]) for step in range(3))
-    resumed = loader(shard_dir, seed=3)
-    resumed.load_state_dict(json.loads(json.dumps(a.state_dict())))
-    assert torch.equal(resumed.next_batch()["frames"], a.batch(3)["frames"])
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])

@@ -5,7 +5,8 @@ Sample ``i`` of a split is a wave of ``frequency`` 1..``options.frequencies`` cy
 ``length`` at a random phase, plus noise, all drawn from ``(seed, split, i)``. Its row is the signal
 encoder's placeholders, then the caption ``"<frequency> cycles."`` in bytes, with next-token labels on
 the caption. Training step ``s`` holds samples ``s·B .. s·B + B - 1``; the held-out split is
-``HELDOUT_BATCHES`` batches of its own samples.
+``HELDOUT_BATCHES`` batches of its own samples. Batches are made whole and cut down to the rows a rank's
+modules read (``reads``; ``compact``).
 
 Installed packages register it under the entry point group ``hetero.datasets`` (its ``pyproject.toml``),
 and a YAML trains on it with ``train.data: {format: signals, options: {frequencies: 8}}``.
@@ -17,6 +18,7 @@ import hashlib
 
 import torch
 
+from hetero.data.rank_batches import compact
 from hetero.data.sources.format import DataFormat
 from hetero.errors import ConfigError
 
@@ -54,11 +56,11 @@ class SignalBatches:
         return {"signal": signal, "has_signal": torch.ones(size, dtype=torch.bool), "tokens": tokens, "labels": labels,
                 "index": first + torch.arange(size)}
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        return self._rows(step * self.global_batch_size)
+    def batch(self, step: int, reads=None) -> dict[str, torch.Tensor]:
+        return compact(self._rows(step * self.global_batch_size), reads)
 
-    def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
-        return [self._rows(b * self.global_batch_size) for b in range(HELDOUT_BATCHES)]
+    def ordered_batches(self, reads=None) -> list[dict[str, torch.Tensor]]:
+        return [compact(self._rows(b * self.global_batch_size), reads) for b in range(HELDOUT_BATCHES)]
 
 
 class SignalFormat(DataFormat):

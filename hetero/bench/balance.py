@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from hetero.data.digits import dp_rows
+from hetero.parallel.sharding import dp_rows
 from hetero.data.native_images import fit_to_patches, load_photos, patchify, photo_crops
 from hetero.models.vit.config import ViTConfig
 from hetero.models.vit.model import VisionEncoder

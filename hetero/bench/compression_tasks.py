@@ -22,7 +22,8 @@ from torch import nn
 
 from hetero.bench.ddp_powersgd_peer import AllReduceCounter, ddp_with_powersgd
 from hetero.config import OptimizerConfig, load_experiment
-from hetero.data.digits import DigitBatches, dp_rows, ensure_digit_shards
+from hetero.data.digits import DigitBatches, ensure_digit_shards
+from hetero.parallel.sharding import dp_rows
 from hetero.data.text import VOCAB_SIZE, heldout_batches, load_stdlib_corpus, sample_batch
 from hetero.models import default_registry
 from hetero.models.gpt.model import GPT, token_loss_sum

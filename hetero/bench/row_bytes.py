@@ -4,7 +4,7 @@ every rank held before.
 
 - **measured**: the main job's modules (``colocated_vlm``) laid out apart on 8 ranks, the ViT at dp4 on
   ranks 0-3 and the LLM at tp2·dp2 on ranks 4-7, on the digits' first training batch: each rank's
-  batch bytes, global and compact, column by column;
+  batch bytes, global and as its loader builds it, column by column;
 - **simulated** from the step plan (``RankReads`` on each world's bookkeeping; nothing is built): the
   same two modules at N ranks, the ViT at dp N/2 on the first half and the LLM at tp8·dp N/16 on the
   rest, a fixed batch per replica (``--rows`` rows of ``--seq-len`` tokens per LLM replica, one image
@@ -19,7 +19,6 @@ import argparse
 import torch
 
 from hetero.config import experiment_from_dict, load_experiment
-from hetero.data.rank_batches import compact
 from hetero.data.splits import load, prepare
 from hetero.graph import build_graph
 from hetero.kinds.batch_rows import HELD
@@ -40,10 +39,11 @@ def measured() -> list[dict]:
     first = next(iter(graph.nodes))
     microbatches = experiment.num_microbatches(first, graph.nodes[first].layout.dp)
     prepare(experiment, graph)
-    batch = load(experiment, graph, "train").batch(0)
+    batches = load(experiment, graph, "train")
+    batch = batches.batch(0)
     out = []
     for rank in range(experiment.world_size):
-        mine = compact(batch, rank_reads(graph, microbatches, rank)(batch)[0])
+        mine = batches.batch(0, rank_reads(graph, microbatches, rank))
         held = {key[len(HELD):]: int(flags.sum()) for key, flags in mine.items() if key.startswith(HELD)}
         out.append({"rank": rank, "global": nbytes(batch), "compact": nbytes(mine), "held": held})
     return out

@@ -11,15 +11,13 @@ balanced (taking every 10th index would not: labels in this data follow a partly
 
 ``DigitBatches`` turns a split into global batches for the LLM: ``num_image_tokens`` placeholder tokens
 (where the projected image embeddings go) followed by the caption's bytes, padded to ``seq_len``, with
-next-token labels on the caption only; ``dp_slice`` gives a DP rank its rows.
+next-token labels on the caption only.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +26,10 @@ import torch
 
 from hetero.data import shard_command
 from hetero.data.shards import ShardError, ensure_shard_set, read_split, write_shard_set
+from hetero.data.sample_table import SampleTable
 from hetero.data.text import encode
 from hetero.errors import ConfigError
+from hetero.kinds.batch_rows import IGNORE_INDEX
 
 UPSCALE = 4
 IMAGE_SIZE = 8 * UPSCALE
@@ -44,7 +44,6 @@ CAPTION_TEMPLATES = (
 MAX_CAPTION_BYTES = max(len(template.format(digit=0)) for template in CAPTION_TEMPLATES)
 IMAGE_TOKEN = 0  # NUL: marks the positions the image embeddings replace; never in a caption
 PAD_TOKEN = 0xFF  # never occurs in UTF-8 text
-IGNORE_INDEX = -100
 _CLI_HELP = "write scikit-learn's digits, upscaled and captioned, as webdataset shards (train and heldout)"
 
 
@@ -130,89 +129,8 @@ def vlm_sequence(
     return tokens, labels, start + digit_offset - 1
 
 
-class SampleBatches:
-    """Global batches of one split held in memory as columns (one tensor per key, samples on dim 0), in a
-    deterministic order that depends only on ``seed`` and the epoch.
-
-    Samples form one stream: epoch ``e`` is a permutation of the split drawn from ``(seed, e)``, and epochs
-    follow each other without dropping samples, so a batch may span two epochs. ``batch(step)`` is the
-    batch at stream position ``step * global_batch_size`` — the same on every rank and in a single-process
-    reference. ``next_batch()`` serves batches from a cursor whose position (epoch, offset) is the
-    resumable state; from a fresh start it yields ``batch(0), batch(1), ...``.
-    """
-
-    def __init__(self, columns: dict[str, torch.Tensor], split: str, global_batch_size: int, seed: int = 0):
-        if global_batch_size < 1:
-            raise ValueError(f"global_batch_size={global_batch_size} must be at least 1")
-        self.split, self.seed, self.global_batch_size = split, seed, global_batch_size
-        self._data = columns
-        self._position = 0  # the cursor: stream index of the next sample next_batch() serves
-
-    def __len__(self) -> int:
-        """Samples in the split."""
-        return len(next(iter(self._data.values())))
-
-    def column(self, key: str) -> torch.Tensor:
-        """Every sample's ``key``, in stored order."""
-        return self._data[key]
-
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        """The global batch of training step ``step`` (0-based)."""
-        return self._gather(self._stream(step * self.global_batch_size, self.global_batch_size))
-
-    def next_batch(self) -> dict[str, torch.Tensor]:
-        """The global batch at the cursor; advances the cursor past it."""
-        rows = self._stream(self._position, self.global_batch_size)
-        self._position += self.global_batch_size
-        return self._gather(rows)
-
-    def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
-        """The whole split once in stored order, ``global_batch_size`` rows a batch (the last may be less)."""
-        return [self._gather(rows) for rows in torch.arange(len(self)).split(self.global_batch_size)]
-
-    def state_dict(self) -> dict[str, Any]:
-        """The cursor (``epoch``, ``offset`` into that epoch's order) and what the order depends on."""
-        epoch, offset = divmod(self._position, len(self))
-        return {
-            "epoch": epoch,
-            "offset": offset,
-            "split": self.split,
-            "seed": self.seed,
-            "num_samples": len(self),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at ``state``'s cursor; split, seed and sample count must match, the batch size need not."""
-        mine = self.state_dict()
-        for key in ("split", "seed", "num_samples"):
-            if state[key] != mine[key]:
-                raise ValueError(
-                    f"cannot resume: the state has {key}={state[key]!r}, this loader {mine[key]!r}"
-                )
-        if not 0 <= state["offset"] < len(self) or state["epoch"] < 0:
-            raise ValueError(f"cannot resume at epoch {state['epoch']}, offset {state['offset']}")
-        self._position = state["epoch"] * len(self) + state["offset"]
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
-        return torch.randperm(len(self), generator=generator)
-
-    def _stream(self, start: int, count: int) -> torch.Tensor:
-        """Rows of stream positions ``start .. start + count - 1``, across epoch boundaries."""
-        parts = []
-        while count > 0:
-            epoch, offset = divmod(start, len(self))
-            take = min(count, len(self) - offset)
-            parts.append(self._order(epoch)[offset : offset + take])
-            start, count = start + take, count - take
-        return torch.cat(parts)
-
-    def _gather(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {key: value[rows] for key, value in self._data.items()}
-
-
-class DigitBatches(SampleBatches):
-    """The digits split as ``SampleBatches``, read once through webdataset into memory.
+class DigitBatches(SampleTable):
+    """The digits split as a ``SampleTable``, read once through webdataset into memory.
 
     A batch is a dict of tensors with batch dim B: ``images`` (B, 1, 32, 32) float32, ``tokens`` and
     ``labels`` (B, seq_len) long, ``digit_position`` (B,) long (``labels[b, digit_position[b]]`` is the
@@ -258,28 +176,6 @@ def digit_columns(samples: list[dict[str, Any]], num_image_tokens: int, seq_len:
     }
 
 
-def dp_rows(batch_size: int, dp_rank: int, dp_size: int) -> slice:
-    """The contiguous rows of DP rank ``dp_rank`` out of ``dp_size``; earlier ranks take the extra rows."""
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank={dp_rank} is outside 0..{dp_size - 1} (dp_size={dp_size})")
-    base, extra = divmod(batch_size, dp_size)
-    start = dp_rank * base + min(dp_rank, extra)
-    return slice(start, start + base + (1 if dp_rank < extra else 0))
-
-
-def dp_slice(batch: Mapping[str, torch.Tensor], dp_rank: int, dp_size: int) -> dict[str, torch.Tensor]:
-    """This DP rank's rows of every tensor in ``batch``.
-
-    Pass the module's own DP coordinate and degree, not the global rank and world size: TP, CP and PP
-    peers of one DP replica must see the same rows.
-    """
-    sizes = {key: value.shape[0] for key, value in batch.items()}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"batch tensors disagree on the batch dim: {sizes}")
-    rows = dp_rows(next(iter(sizes.values())), dp_rank, dp_size)
-    return {key: value[rows] for key, value in batch.items()}
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``digits`` under ``subparsers`` (e.g. of ``hetero data``); it runs via ``args.run(args)``."""
     return shard_command.register(subparsers, "digits", _CLI_HELP, _add_arguments, _run)
@@ -318,12 +214,6 @@ def _meta(samples_per_shard: int) -> dict[str, Any]:
         "caption_templates": list(CAPTION_TEMPLATES),
         "samples_per_shard": samples_per_shard,
     }
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    # A hash rather than seed * K + epoch, which would give some distinct (seed, epoch) pairs one seed.
-    digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 if __name__ == "__main__":

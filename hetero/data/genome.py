@@ -19,7 +19,7 @@ split point; the bases left over at the end of each part (fewer than ``window``)
 ``write_genome_shards`` stores both splits as a shard set (``hetero.data.shards``): a sample is one
 window, its bases and region labels as uint8 ``npy`` arrays and its ``index`` (in its split) and
 ``start`` (0-based coordinate on the chromosome) in ``json``. ``GenomeWindows`` serves a split as
-deterministic, resumable batches with ``SampleBatches``' stream of epochs.
+deterministic batches (``hetero.data.sample_table``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from hetero.data import shard_command
-from hetero.data.digits import SPLITS, SampleBatches
+from hetero.data.digits import SPLITS
+from hetero.data.sample_table import SampleTable
 from hetero.data.shards import ShardError, ensure_shard_set, read_columns, write_shard_set
 from hetero.errors import ConfigError
 
@@ -233,16 +234,13 @@ def ensure_genome_shards(
     return manifest
 
 
-class GenomeWindows(SampleBatches):
+class GenomeWindows(SampleTable):
     """Batches of one split's windows, in a deterministic order that depends only on ``seed`` and the epoch.
 
-    The split is read once into memory; ``batch(step)``, ``next_batch()``, ``ordered_batches()`` (the
-    windows in chromosome order, for held-out evaluation), ``state_dict()`` and ``load_state_dict()`` are
-    ``SampleBatches``' (the same stream of epochs, each a permutation drawn from ``(seed, epoch)``, and the
-    same resumable cursor). A batch holds ``bases`` (B, window) long (codes of ``BASES``), ``regions``
+    The split is read once into memory and served as a ``SampleTable`` (``ordered_batches()``: the
+    windows in chromosome order, for held-out evaluation). A batch holds ``bases`` (B, window) long (codes of ``BASES``), ``regions``
     (B, window) long (indices of ``REGIONS``) and ``index`` (B,) long (the window's index in its split;
-    it starts at ``split start + index * window``); ``dp_slice`` from ``hetero.data.digits`` gives a DP
-    rank its rows.
+    it starts at ``split start + index * window``).
     """
 
     def __init__(self, shard_dir: str | Path, split: str, batch_size: int, seed: int = 0):

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from hetero.data.rank_batches import rank_batch
 from hetero.data.sources.format import Batches
 
 PREFETCH = 2
@@ -27,7 +26,7 @@ PREFETCH = 2
 
 class StepBatches(Dataset):
     """Step ``first + i``'s batch and the samples skipped building it, for a DataLoader's workers;
-    ``reads``: the rows and items this rank reads (``hetero.data.rank_batches``), None for all."""
+    ``reads``: what this rank reads (``hetero.data.rank_batches``), None for the global batches."""
 
     def __init__(self, batches: Batches, first: int, last: int, sample_reuse: int, reads=None):
         self.batches, self.first, self.last, self.sample_reuse, self.reads = batches, first, last, sample_reuse, reads
@@ -39,7 +38,7 @@ class StepBatches(Dataset):
         step = self.first + i
         before = set(getattr(self.batches, "bad", ()))
         position = (step - 1) // self.sample_reuse
-        batch = rank_batch(self.batches, position, self.reads)
+        batch = self.batches.batch(position, self.reads)
         return step, batch, {k: v for k, v in getattr(self.batches, "bad", {}).items() if k not in before}
 
 

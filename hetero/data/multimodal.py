@@ -88,6 +88,8 @@ class MultimodalBatches(DigitDnaBatches):
     ``gc_position`` and ``gc`` (B,) (-1 without the DNA); ``label`` (B,) the digit and ``index`` (B,).
     ``clips`` is assembled per batch, so ``column("clips")`` does not exist."""
 
+    assembled = ("clips",)
+
     def __init__(
         self,
         digit_dir: str | Path,
@@ -155,10 +157,10 @@ class MultimodalBatches(DigitDnaBatches):
             "gc_position": torch.tensor([s[3] for s in sequences]),
         }
 
-    def _gather(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        batch = super()._gather(rows)
-        batch["clips"] = self._clips[self._clip_rows[rows]] * batch["has_clip"][:, None, None, None, None]
-        return batch
+    def values(self, key: str, ids: torch.Tensor) -> torch.Tensor:
+        if key == "clips":
+            return self._clips[self._clip_rows[ids]] * self._data["has_clip"][ids][:, None, None, None, None]
+        return super().values(key, ids)
 
 
 def _sequence(

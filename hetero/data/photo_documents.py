@@ -8,16 +8,19 @@ passage. Documents pack into rows of the LLM's ``seq_len`` (4k-16k tokens in
 
 Every step's batch is drawn from ``(seed, step)`` alone (the held-out batches from the held-out seed),
 so it is the same on every rank and under any layout. ``index`` numbers the rows of the stream
-(``step * rows + r``).
+(``step * rows + r``). Rows pack whole, then a rank keeps the rows its modules read (the images stay whole).
 """
 
 from __future__ import annotations
+
 
 import torch
 
 from hetero.data.native_images import fit_to_patches, image_columns, load_photos, multimodal_document, photo_crops
 from hetero.data.packing import pack_rows, stack_rows
+from hetero.data.rank_batches import Reads, compact
 from hetero.data.text import load_stdlib_corpus
+
 
 HELDOUT_BATCHES = 2
 HELDOUT_SEED = 1_000_003
@@ -54,9 +57,9 @@ class PhotoDocuments:
         chosen = [next(rows) for _ in range(self.global_batch_size)]
         return stack_rows(chosen) | image_columns(chosen, self.channels * self.patch_size**2)
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
+    def batch(self, step: int, reads: Reads | None = None) -> dict[str, torch.Tensor]:
         batch = self._rows(self.seed * 1_000_033 + step)
-        return batch | {"index": step * self.global_batch_size + torch.arange(self.global_batch_size)}
+        return compact(batch | {"index": step * self.global_batch_size + torch.arange(self.global_batch_size)}, reads)
 
-    def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
-        return [self._rows(HELDOUT_SEED + self.seed * 1_000_033 + b) for b in range(HELDOUT_BATCHES)]
+    def ordered_batches(self, reads: Reads | None = None) -> list[dict[str, torch.Tensor]]:
+        return [compact(self._rows(HELDOUT_SEED + self.seed * 1_000_033 + b), reads) for b in range(HELDOUT_BATCHES)]

@@ -1,58 +1,54 @@
-"""A rank's share of each batch (``train.data.per_rank``): the rows and images its modules read, as a
-compact batch (``hetero.kinds.batch_rows``).
+"""A rank's share of each batch (``train.data.per_rank``): the rows its modules read, as a compact batch
+(``hetero.kinds.batch_rows``).
 
-Samples of users' formats (``SampleBatches``) are tokenized and decoded for those rows and images alone.
-A dataset of whole global batches is built whole and cut down to the rank's rows (its items stay whole).
-Either way a row's ``label_counts`` (its labels that carry a loss) stays for every row: every rank
-divides the LLM's loss by the global count.
+Every dataset builds a step's batch from its bookkeeping first (the columns of one value per row, which
+every rank keeps: ``index``, presence flags, ``label_counts``), asks the rank's ``RankReads`` which rows of
+each wider column (tokens, labels, images, clips, DNA windows) its modules take, and builds only those
+rows (``rank_columns``). A dataset that can only make whole batches (packed photo documents, the digits'
+stream) cuts them down (``compact``; their items stay whole). A row's ``label_counts`` (its labels that
+carry a loss) stays for every row: every rank divides the LLM's loss by the global count.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 import torch
 
-from hetero.data.digits import IGNORE_INDEX
-from hetero.data.sample_batches import SampleBatches
-from hetero.data.sources.format import Batches
-from hetero.kinds.batch_rows import ITEM_PREFIX, batch_size, held_key
-
-if TYPE_CHECKING:
-    from hetero.runtime.rows import RankReads
+from hetero.kinds.batch_rows import IGNORE_INDEX, ITEM_PREFIX, batch_size, held_key
 
 
-def compact(batch: dict[str, torch.Tensor], rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Global ``batch`` with each per-row column of more than one value per row cut down to its ``rows``
-    (ascending global row numbers; a column missing from ``rows``: none)."""
-    size = batch_size(batch)
-    out = dict(batch)
+Reads = Callable[[dict[str, torch.Tensor], Iterable[str]], tuple[dict[str, torch.Tensor], torch.Tensor]]
+"""What one rank reads of a batch (``hetero.runtime.rows.RankReads``): given the batch's bookkeeping and
+the columns being built, the global rows of each column its modules take and the items they take."""
+Values = Callable[[str, torch.Tensor], torch.Tensor]  # (column, global rows) -> the column at those rows
+
+
+def rank_columns(bookkeeping: dict[str, torch.Tensor], wide: Iterable[str], values: Values,
+                 reads: Reads | None) -> dict[str, torch.Tensor]:
+    """A batch of ``bookkeeping`` (every row) and the ``wide`` columns, each made by ``values``: at every
+    row (``reads`` None: the global batch), or at the rows rank ``reads`` takes, flagged ``held:<column>``
+    (a column none of its modules reads: no rows)."""
+    size, wide = batch_size(bookkeeping), tuple(wide)
+    if reads is None:
+        every = torch.arange(size, device="cpu")
+        return bookkeeping | {key: values(key, every) for key in wide}
+    by_column = reads(bookkeeping, (*bookkeeping, *wide))[0]
+    batch = dict(bookkeeping)
+    for key in wide:
+        rows = by_column.get(key, torch.zeros(0, dtype=torch.long, device="cpu"))
+        batch[key] = values(key, rows)
+        batch[held_key(key)] = torch.zeros(size, dtype=torch.bool, device="cpu")
+        batch[held_key(key)][rows] = True
+    return batch
+
+
+def compact(batch: dict[str, torch.Tensor], reads: Reads | None) -> dict[str, torch.Tensor]:
+    """Whole ``batch`` as rank ``reads`` holds it (None: whole), with ``label_counts`` when it has labels."""
+    if reads is None:
+        return batch
+    wide = [key for key, value in batch.items() if value.dim() >= 2 and not key.startswith(ITEM_PREFIX)]
+    bookkeeping = {key: value for key, value in batch.items() if key not in wide}
     if "labels" in batch and "label_counts" not in batch:
-        out["label_counts"] = (batch["labels"] != IGNORE_INDEX).sum(1)
-    for key, value in batch.items():
-        if key.startswith(ITEM_PREFIX) or value.dim() < 2:
-            continue
-        kept = rows.get(key, torch.zeros(0, dtype=torch.long, device="cpu"))
-        out[key] = value[kept]
-        out[held_key(key)] = torch.zeros(size, dtype=torch.bool, device="cpu")
-        out[held_key(key)][kept] = True
-    return out
-
-
-def rank_batch(batches: Batches, step: int, reads: RankReads | None) -> dict[str, torch.Tensor]:
-    """Step ``step``'s batch as rank ``reads`` holds it (None: the global batch)."""
-    if reads is None:
-        return batches.batch(step)
-    if isinstance(batches, SampleBatches):
-        return batches.batch(step, reads)
-    batch = batches.batch(step)
-    return compact(batch, reads(batch)[0])
-
-
-def rank_heldout(batches: Batches, reads: RankReads | None) -> list[dict[str, torch.Tensor]]:
-    """The held-out batches as rank ``reads`` holds them (None: the global batches)."""
-    if reads is None:
-        return batches.ordered_batches()
-    if isinstance(batches, SampleBatches):
-        return batches.ordered_batches(reads)
-    return [compact(batch, reads(batch)[0]) for batch in batches.ordered_batches()]
+        bookkeeping["label_counts"] = (batch["labels"] != IGNORE_INDEX).sum(1)
+    return rank_columns(bookkeeping, wide, lambda key, rows: batch[key][rows], reads)

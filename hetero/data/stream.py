@@ -11,8 +11,8 @@ The order depends only on the seed, the buffer and the manifest's sample counts,
 on any module's layout: it is computed from the counts alone (``epoch_order``), and a batch reads just
 the shards its samples sit in (``cache_shards`` of them decoded at a time). The position in the stream
 is the step (``batch(step)``: samples ``step·B .. step·B + B - 1``), which the checkpoint carries; a
-resume under other DP degrees (or any other layout) serves the same global batches, as every rank reads
-the whole global batch and splits its rows by its own layout. Each sample's id is its index in the
+resume under other DP degrees (or any other layout) serves the same global batches: every rank decodes the
+whole global batch and keeps the rows its modules read. Each sample's id is its index in the
 split (shards in manifest order), in the batch as ``index``.
 """
 
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from hetero.data.rank_batches import Reads, compact
 from hetero.data.shards import read_shard, load_manifest
 
 
@@ -85,8 +86,8 @@ class ShardStream:
             start, count = start + take, count - take
         return torch.cat(parts)
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        return self.columns([self._sample(int(i)) for i in self.ids(step)])
+    def batch(self, step: int, reads: Reads | None = None) -> dict[str, torch.Tensor]:
+        return compact(self.columns([self._sample(int(i)) for i in self.ids(step)]), reads)
 
     def _sample(self, sample_id: int) -> dict[str, Any]:
         shard = int(torch.searchsorted(self.first_id, sample_id, right=True)) - 1

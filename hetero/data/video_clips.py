@@ -35,7 +35,7 @@ clips take the other digits and the left half. Clip ``i`` of a split depends onl
 i)`` and the clip options, not on how many clips are made.
 
 ``write_video_shards`` stores both splits as a shard set (``hetero.data.shards``) and ``VideoClips``
-serves a split as deterministic, resumable batches with ``SampleBatches``' stream of epochs.
+serves a split as deterministic batches (``hetero.data.sample_table``).
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetero.data.digits import SPLITS, SampleBatches, heldout_mask
+from hetero.data.digits import SPLITS, heldout_mask
 from hetero.data import shard_command
+from hetero.data.sample_table import SampleTable
 from hetero.data.shards import ShardError, ensure_shard_set, read_split, write_shard_set
 from hetero.errors import ConfigError
 
@@ -323,14 +324,12 @@ def ensure_video_shards(
     )
 
 
-class VideoClips(SampleBatches):
+class VideoClips(SampleTable):
     """Batches of one split's clips, in a deterministic order that depends only on ``seed`` and the epoch.
 
-    The split is read once into memory; ``batch(step)``, ``next_batch()``, ``ordered_batches()``,
-    ``state_dict()`` and ``load_state_dict()`` are ``SampleBatches``' (the same stream of epochs, each a
-    permutation drawn from ``(seed, epoch)``, and the same resumable cursor). A batch holds ``frames``
+    The split is read once into memory and served as a ``SampleTable``. A batch holds ``frames``
     (B, T, 1, S, S) float32, ``revisit`` (B, T) bool, ``scene`` (B, T) long and ``index`` (B,) long (the
-    clip's index in its split); ``dp_slice`` from ``hetero.data.digits`` gives a DP rank its rows.
+    clip's index in its split).
     """
 
     def __init__(self, shard_dir: str | Path, split: str, batch_size: int, seed: int = 0):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+IGNORE_INDEX = -100  # a label that carries no loss
 ITEM_PREFIX = "image_"  # columns with an entry per image (or per patch), not per row
 HELD = "held:"  # held:<column>: the global rows a compact column holds
 

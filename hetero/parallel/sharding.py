@@ -228,3 +228,12 @@ def check_global_shape(
                 f"{what}: the {role} splits a sequence of {length} zigzag over cp={cp}, which "
                 f"needs a multiple of 2*cp={2 * cp}; pad the sequence or set {role}.zigzag=False"
             )
+
+
+def dp_rows(batch_size: int, dp_rank: int, dp_size: int) -> slice:
+    """The contiguous rows of DP rank ``dp_rank`` out of ``dp_size``; earlier ranks take the extra rows."""
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} is outside 0..{dp_size - 1} (dp_size={dp_size})")
+    base, extra = divmod(batch_size, dp_size)
+    start = dp_rank * base + min(dp_rank, extra)
+    return slice(start, start + base + (1 if dp_rank < extra else 0))

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hetero.data.digits import dp_rows
 from hetero.graph.graph import Edge, Graph
 from hetero.kinds.batch_rows import batch_size
-from hetero.parallel.sharding import Rows
+from hetero.parallel.sharding import Rows, dp_rows
 
 
 def balanced_split(costs: torch.Tensor, parts: int) -> list[torch.Tensor]:

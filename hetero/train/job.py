@@ -22,7 +22,6 @@ import torch.distributed as dist
 from hetero.config import ExperimentConfig
 from hetero.data import splits
 from hetero.data.loader import StepLoader
-from hetero.data.rank_batches import rank_heldout
 from hetero.errors import ConfigError
 from hetero.graph import Graph, build_graph
 from hetero.interop.hf_source import imported_sources
@@ -317,7 +316,7 @@ def evaluate(runtime: Runtime, heldout: splits.Batches, max_batches: int = 0,
     """Held-out losses and metrics over the first ``max_batches`` full held-out batches (0: all); ``reads``:
     the rows and images this rank reads (``hetero.data.rank_batches``; None: the global batches)."""
     def built() -> list[dict[str, torch.Tensor]]:
-        full = [b for b in rank_heldout(heldout, reads) if batch_size(b) == heldout.global_batch_size]
+        full = [b for b in heldout.ordered_batches(reads) if batch_size(b) == heldout.global_batch_size]
         full = full[: max_batches or None]
         for batch in full:
             runtime.check(batch)

@@ -1,9 +1,9 @@
 """Data formats: what ``train.data.format`` names, and the registry that finds them.
 
-A ``DataFormat`` turns a ``train.data`` source (a format, a location, options) into the global batches
-of a split (``Batches``: ``batch(step)`` of the training split, ``ordered_batches()`` of the held-out
-one), holding the columns the graph's kinds read. Built-in formats are the datasets hetero writes
-itself (``builtin.py``: ``digits``, ``genome``, ``photo_documents`` ...) and the formats of users' files,
+A ``DataFormat`` turns a ``train.data`` source (a format, a location, options) into the batches of a
+split (``Batches``: ``batch(step, reads)`` of the training split, ``ordered_batches(reads)`` of the
+held-out one, each as a rank holds it: ``hetero.data.rank_batches``), holding the columns the graph's
+kinds read. Built-in formats are the datasets hetero writes itself (``builtin.py``: ``digits``, ``genome``, ``photo_documents`` ...) and the formats of users' files,
 which are ``SampleFormat``s (``samples.py``): samples by id with a cheap description, shaped into rows by
 one collation step (``hetero.data.collate``): ``llava`` conversations (``llava.py``), ``webdataset``
 image-caption shards (``image_text.py``) and ``text`` JSONL (``text_jsonl.py``).

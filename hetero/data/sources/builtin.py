@@ -4,7 +4,9 @@ Each holds fixed columns and is sized by the modules that read some of them (the
 genome window, the clip's frames): some module must read each. Shard sets are written by ``prepare``
 into directories of their own, so no two ever meet: the digits in ``train.data_dir``, genome windows in
 ``train.genome_dir/window<N>``, clips in ``train.clip_dir/<shape, counts, seed>``; a set already there
-with the same options is reused, and a directory that holds anything else is refused.
+with the same options is reused, and a directory that holds anything else is refused. Each rank builds
+only the rows its modules read (``hetero.data.rank_batches``): the shard-backed datasets are held in
+memory as columns and served by sample id (``hetero.data.sample_table``).
 
 - ``digits``: captioned scikit-learn digits (``images``, ``tokens``, ``labels``, ``digit_position``);
   with ``train.stream_buffer`` > 0 its training split streams through a shuffle buffer; in a mixture,
@@ -35,6 +37,7 @@ from hetero.data.digits import DigitBatches, digit_columns, ensure_digit_shards
 from hetero.data.genome import GenomeOptions, GenomeWindows, ensure_genome_shards, genome_shards
 from hetero.data.multimodal import MultimodalBatches
 from hetero.data.photo_documents import PhotoDocuments
+from hetero.data.rank_batches import Reads, rank_columns
 from hetero.data.shards import ShardError
 from hetero.data.sources.digit_conversations import DigitConversations
 from hetero.data.sources.format import Batches, DataFormat
@@ -45,25 +48,9 @@ from hetero.data.video_clips import ClipOptions, VideoClips, ensure_video_shards
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph, Node
 
+
 CLIPS = {"train": 512, "heldout": 64}
 TEXT_HELDOUT_BATCHES = 16
-
-
-class Renamed:
-    """Batches with some columns under the names the graph's kinds read."""
-
-    def __init__(self, batches, names: dict[str, str]):
-        self.batches, self.names = batches, names
-        self.global_batch_size = batches.global_batch_size
-
-    def _rename(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.names.get(key, key): value for key, value in batch.items()}
-
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        return self._rename(self.batches.batch(step))
-
-    def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
-        return [self._rename(b) for b in self.batches.ordered_batches()]
 
 
 class TextWindows:
@@ -78,16 +65,22 @@ class TextWindows:
         self.split, self.global_batch_size, self.seq_len, self.seed = split, global_batch_size, seq_len, seed
         self.data = corpus.train if split == "train" else corpus.heldout
 
-    def _batch(self, starts: torch.Tensor) -> dict[str, torch.Tensor]:
-        tokens, labels = windows(self.data, starts, self.seq_len)
-        return {"tokens": tokens, "labels": labels, "index": starts}
+    def _batch(self, starts: torch.Tensor, reads: Reads | None) -> dict[str, torch.Tensor]:
+        def values(key: str, rows: torch.Tensor) -> torch.Tensor:
+            tokens, labels = windows(self.data, starts[rows], self.seq_len)
+            return tokens if key == "tokens" else labels
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        return self._batch(window_starts(self.data, self.global_batch_size, self.seq_len, step, self.seed))
+        bookkeeping = {"index": starts}
+        if reads is not None:  # every label of a window carries a loss
+            bookkeeping["label_counts"] = torch.full((len(starts),), self.seq_len, dtype=torch.long, device="cpu")
+        return rank_columns(bookkeeping, ("tokens", "labels"), values, reads)
 
-    def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
-        return [self._batch(starts) for starts in heldout_starts(self.data, self.global_batch_size, self.seq_len,
-                                                                 TEXT_HELDOUT_BATCHES)]
+    def batch(self, step: int, reads: Reads | None = None) -> dict[str, torch.Tensor]:
+        return self._batch(window_starts(self.data, self.global_batch_size, self.seq_len, step, self.seed), reads)
+
+    def ordered_batches(self, reads: Reads | None = None) -> list[dict[str, torch.Tensor]]:
+        return [self._batch(starts, reads) for starts in heldout_starts(self.data, self.global_batch_size,
+                                                                        self.seq_len, TEXT_HELDOUT_BATCHES)]
 
 
 def tokenizer_of(llm: Node) -> Path | None:
@@ -274,7 +267,7 @@ class Clips(BuiltIn):
     def load(self, experiment, graph, source, split) -> Batches:
         clips = VideoClips(_clip_set(experiment, graph, self.name).path, split, experiment.batch.global_batch_size,
                            experiment.seed)
-        return Renamed(clips, {"frames": "clips"})
+        return clips.renamed({"frames": "clips"})
 
 
 class Genome(BuiltIn):
@@ -286,7 +279,7 @@ class Genome(BuiltIn):
     def load(self, experiment, graph, source, split) -> Batches:
         windows = GenomeWindows(_genome_set(experiment, graph, self.name).path, split,
                                 experiment.batch.global_batch_size, experiment.seed)
-        return Renamed(windows, {"bases": "dna", "regions": "dna_regions"})
+        return windows.renamed({"bases": "dna", "regions": "dna_regions"})
 
 
 class StdlibText(BuiltIn):

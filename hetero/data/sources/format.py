@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from hetero.data.rank_batches import Reads
 from hetero.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -15,13 +16,14 @@ if TYPE_CHECKING:
 
 
 class Batches(Protocol):
-    """A split's global batches, the same on every rank."""
+    """A split's global batches, the same on every rank; ``reads``: build only what that rank's modules
+    read (``hetero.data.rank_batches``), None for the global batch."""
 
     global_batch_size: int
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]: ...
+    def batch(self, step: int, reads: Reads | None = None) -> dict[str, torch.Tensor]: ...
 
-    def ordered_batches(self) -> list[dict[str, torch.Tensor]]: ...
+    def ordered_batches(self, reads: Reads | None = None) -> list[dict[str, torch.Tensor]]: ...
 
 
 class DataFormat:

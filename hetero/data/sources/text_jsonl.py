@@ -23,11 +23,13 @@ from hetero.data.chat import ChatTokenizer
 from hetero.data.collate import readers, tokenizer_dir
 from hetero.data.config import SourceConfig
 from hetero.data.digits import IGNORE_INDEX
+from hetero.data.rank_batches import Reads, rank_columns
 from hetero.data.sample_batches import DataError
 from hetero.data.sources.format import DataFormat
 from hetero.data.sources.llava import data_files
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph
+
 
 HELDOUT_BATCHES = 16
 
@@ -81,26 +83,36 @@ class TextStream:
                             f"needs ({seq_len + 1}); add text or shorten the rows")
         self.tokens, self.owners = torch.tensor(tokens, dtype=torch.long), torch.tensor(owners, dtype=torch.long)
         self.global_batch_size, self.seq_len, self.seed = global_batch_size, seq_len, seed
+        ends = (self.owners[1:] != self.owners[:-1]).long()  # ends[i]: position i + 1 starts another document
+        self._ends = torch.cat([torch.zeros(1, dtype=torch.long), ends.cumsum(0)])  # ends before each position
 
-    def _rows(self, starts: torch.Tensor) -> dict[str, torch.Tensor]:
-        span = starts[:, None] + torch.arange(self.seq_len + 1)
-        tokens, owners = self.tokens[span], self.owners[span]
-        same = owners[:, 1:] == owners[:, :-1]
-        labels = torch.where(same, tokens[:, 1:], IGNORE_INDEX)
-        documents = torch.cat([torch.zeros(len(starts), 1, dtype=torch.long), (~same[:, :-1]).long().cumsum(1)], 1)
-        return {"tokens": tokens[:, :-1], "labels": labels, "documents": documents, "index": starts}
+    def _rows(self, starts: torch.Tensor, reads: Reads | None) -> dict[str, torch.Tensor]:
+        def values(key: str, rows: torch.Tensor) -> torch.Tensor:
+            span = starts[rows, None] + torch.arange(self.seq_len + 1)
+            tokens, owners = self.tokens[span], self.owners[span]
+            same = owners[:, 1:] == owners[:, :-1]
+            if key == "tokens":
+                return tokens[:, :-1]
+            if key == "labels":
+                return torch.where(same, tokens[:, 1:], IGNORE_INDEX)
+            return torch.cat([torch.zeros(len(rows), 1, dtype=torch.long), (~same[:, :-1]).long().cumsum(1)], 1)
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        bookkeeping = {"index": starts}
+        if reads is not None:  # a window's labels less the document ends it crosses
+            bookkeeping["label_counts"] = self.seq_len - (self._ends[starts + self.seq_len] - self._ends[starts])
+        return rank_columns(bookkeeping, ("tokens", "labels", "documents"), values, reads)
+
+    def batch(self, step: int, reads: Reads | None = None) -> dict[str, torch.Tensor]:
         digest = hashlib.blake2b(f"{self.seed}:{step}".encode(), digest_size=8).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
         return self._rows(torch.randint(0, len(self.tokens) - self.seq_len, (self.global_batch_size,),
-                                        generator=generator))
+                                        generator=generator), reads)
 
-    def ordered_batches(self) -> list[dict[str, torch.Tensor]]:
+    def ordered_batches(self, reads: Reads | None = None) -> list[dict[str, torch.Tensor]]:
         windows = (len(self.tokens) - 1) // self.seq_len
         batches = min(HELDOUT_BATCHES, max(1, windows // self.global_batch_size))
         starts = torch.arange(batches * self.global_batch_size) * self.seq_len % (len(self.tokens) - self.seq_len)
-        return [self._rows(chunk) for chunk in starts.split(self.global_batch_size)]
+        return [self._rows(chunk, reads) for chunk in starts.split(self.global_batch_size)]
 
 
 class TextFormat(DataFormat):

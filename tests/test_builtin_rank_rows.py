@@ -1,7 +1,7 @@
 """Every dataset that is not users' samples builds, on each rank, the compact batch its modules read: equal
 to the global batch cut down to the rank's rows (``hetero.data.rank_batches.compact``), training and
 held-out, on every rank of the shipped experiment's layout; a dataset held as a ``SampleTable`` makes no
-row of a wide column that the rank does not read."""
+row of a wide column that the rank does not read; the tower's replicas hold each image's pixels once."""
 
 import json
 
@@ -51,7 +51,7 @@ def test_each_rank_builds_the_rows_it_reads_alone(tmp_path, monkeypatch, experim
     built = []  # (column, rows) each SampleTable made
     values = SampleTable.values
     monkeypatch.setattr(SampleTable, "values", lambda self, key, ids: built.append((key, len(ids))) or values(self, key, ids))
-    held = []
+    held, images = [], []
     for rank in range(config.world_size):
         reads = rank_reads(graph, microbatches, rank)
         built.clear()
@@ -60,5 +60,10 @@ def test_each_rank_builds_the_rows_it_reads_alone(tmp_path, monkeypatch, experim
         assert all(rows == int(mine[f"held:{key}"].sum()) for key, rows in built)
         assert same(heldout.ordered_batches(reads)[0], compact(whole_heldout, reads)), rank
         held.append({key[5:]: int(flags.sum()) for key, flags in mine.items() if key.startswith("held:")})
-    print(f"\n{experiment}: rows held per rank {held}")
+        if "image_held" in mine:
+            images.append(mine["image_held"])
+            held[-1]["images"] = len(mine["image_held"])
+    print(f"\n{experiment}: rows (and images) held per rank {held}")
+    if images:  # the tower's replicas hold each image's pixels once
+        assert torch.cat(images).sort().values.tolist() == list(range(len(whole["image_row"])))
     assert any(any(rows < len(whole["index"]) for rows in h.values()) for h in held)  # some rank holds less

@@ -3,7 +3,8 @@ modules read (``train.data.per_rank``, the default: compact batches) or every ra
 every step's loss, loss parts and pre-clip gradient norm, and the held-out figures, ``==``. Layouts with
 dp > 1, so that ranks do hold different rows: the main job (vision dp4 beside an LLM at tp2·dp2), the VLM
 on digits and DNA (vision and DNA dp2 on their own ranks, an LLM at tp2·dp2 across all four), the video
-generator at dp2 and GeneZip at dp2."""
+generator at dp2, GeneZip at dp2, and packed rows of photographs at native resolution (vision dp4, each
+replica holding its images' patches alone, beside an LLM at tp2·dp2)."""
 
 import json
 import subprocess
@@ -16,6 +17,8 @@ JOBS = {
     "dna_vlm": [],
     "video": ["video.layout.tp=1", "video.layout.dp=2", "batch.micro_batch_size=4"],
     "genezip": ["dna.layout.tp=1", "dna.layout.dp=2", "batch.micro_batch_size=8"],
+    "long_context_native_vlm": ["llm.model.seq_len=1024", "llm.layout.cp=1", "llm.layout.dp=2",
+                                "llm.micro_batch_size=2"],
 }
 
 

@@ -8,7 +8,7 @@ passage. Documents pack into rows of the LLM's ``seq_len`` (4k-16k tokens in
 
 Every step's batch is drawn from ``(seed, step)`` alone (the held-out batches from the held-out seed),
 so it is the same on every rank and under any layout. ``index`` numbers the rows of the stream
-(``step * rows + r``). Rows pack whole, then a rank keeps the rows its modules read (the images stay whole).
+(``step * rows + r``). Rows pack whole, then a rank keeps the rows and the images its modules read.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ Every dataset builds a step's batch from its bookkeeping first (the columns of o
 every rank keeps: ``index``, presence flags, ``label_counts``), asks the rank's ``RankReads`` which rows of
 each wider column (tokens, labels, images, clips, DNA windows) its modules take, and builds only those
 rows (``rank_columns``). A dataset that can only make whole batches (packed photo documents, the digits'
-stream) cuts them down (``compact``; their items stay whole). A row's ``label_counts`` (its labels that
-carry a loss) stays for every row: every rank divides the LLM's loss by the global count.
+stream) cuts them down (``compact``), images too: a rank keeps the pixels of the images its modules take
+(``image_held``). A row's ``label_counts`` (its labels that carry a loss) stays for every row: every rank
+divides the LLM's loss by the global count.
 """
 
 from __future__ import annotations
@@ -25,22 +26,34 @@ Values = Callable[[str, torch.Tensor], torch.Tensor]  # (column, global rows) ->
 
 
 def rank_columns(bookkeeping: dict[str, torch.Tensor], wide: Iterable[str], values: Values,
-                 reads: Reads | None) -> dict[str, torch.Tensor]:
+                 reads: Reads | None, items: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """A batch of ``bookkeeping`` (every row) and the ``wide`` columns, each made by ``values``: at every
     row (``reads`` None: the global batch), or at the rows rank ``reads`` takes, flagged ``held:<column>``
-    (a column none of its modules reads: no rows)."""
+    (a column none of its modules reads: no rows); ``items``: the item columns of the images it takes."""
     size, wide = batch_size(bookkeeping), tuple(wide)
     if reads is None:
         every = torch.arange(size, device="cpu")
         return bookkeeping | {key: values(key, every) for key in wide}
-    by_column = reads(bookkeeping, (*bookkeeping, *wide))[0]
+    by_column, held_items = reads(bookkeeping, (*bookkeeping, *wide))
     batch = dict(bookkeeping)
     for key in wide:
         rows = by_column.get(key, torch.zeros(0, dtype=torch.long, device="cpu"))
         batch[key] = values(key, rows)
         batch[held_key(key)] = torch.zeros(size, dtype=torch.bool, device="cpu")
         batch[held_key(key)][rows] = True
-    return batch
+    return batch | (items(held_items) if items is not None else {})
+
+
+def _items(batch: dict[str, torch.Tensor], held: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The pixels of images ``held`` alone, their numbers in ``image_held``."""
+    if "image_pixels" in batch:
+        return {"image_pixels": batch["image_pixels"][held], "image_held": held}
+    sizes = batch["image_grid"].prod(1)
+    starts = sizes.cumsum(0) - sizes
+    patches = [torch.arange(int(starts[i]), int(starts[i] + sizes[i]), device="cpu") for i in held.tolist()]
+    patches = torch.cat(patches) if patches else torch.zeros(0, dtype=torch.long, device="cpu")
+    return {"image_patches": batch["image_patches"][patches], "image_held": held}
 
 
 def compact(batch: dict[str, torch.Tensor], reads: Reads | None) -> dict[str, torch.Tensor]:
@@ -51,4 +64,6 @@ def compact(batch: dict[str, torch.Tensor], reads: Reads | None) -> dict[str, to
     bookkeeping = {key: value for key, value in batch.items() if key not in wide}
     if "labels" in batch and "label_counts" not in batch:
         bookkeeping["label_counts"] = (batch["labels"] != IGNORE_INDEX).sum(1)
-    return rank_columns(bookkeeping, wide, lambda key, rows: batch[key][rows], reads)
+    pixels = "image_pixels" in batch or "image_patches" in batch
+    return rank_columns(bookkeeping, wide, lambda key, rows: batch[key][rows], reads,
+                        (lambda held: _items(batch, held)) if pixels else None)

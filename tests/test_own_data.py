@@ -17,7 +17,8 @@ from hetero.data.example import write_llava, write_webdataset
 from hetero.data.sample_batches import DataError
 from hetero.testing.kinds import build_graph
 from hetero.testing.bad_samples import write_cases
-from hetero.data.splits import load
+from hetero.data.splits import check, load
+from hetero.errors import ConfigError
 
 PLACEHOLDERS = 16  # the tower's (32 / 8)² patches per image
 
@@ -98,6 +99,15 @@ def test_a_mixture_draws_each_source_by_weight_in_an_order_of_the_seed_alone(dat
     assert order == [again.locate(p) for p in range(400)] != [other.locate(p) for p in range(400)]
     assert sum(s == 0 for s, _ in order) == 300
     assert first.batch(3)["tokens"].equal(again.batch(3)["tokens"])
+
+
+def test_a_mixture_refuses_a_format_of_whole_batches_naming_those_it_draws(data):
+    llava, _ = data
+    experiment = load_experiment("own_data_vlm", [f"+train.data.mixture=[{{format: llava, path: '{llava}'}}, "
+                                                  "{format: genome}]"])
+    with pytest.raises(ConfigError, match=r"mixture\[1\].format=genome gives whole batches, not samples; a mixture "
+                                          r"draws the samples of digits, llava, webdataset$"):
+        check(experiment, build_graph(experiment))
 
 
 def test_text_jsonl_packs_documents_into_rows_without_a_label_across_them(tmp_path):

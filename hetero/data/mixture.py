@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from hetero.config import ExperimentConfig
 from hetero.data.sample_batches import SampleBatches
-from hetero.data.sources.registry import data_format
+from hetero.data.sources.registry import data_format, data_formats
 from hetero.data.sources.sample_format import Samples
 from hetero.graph.graph import Graph
 
 
 def mixture_errors(experiment: ExperimentConfig, graph: Graph) -> list[str]:
+    drawn = [name for name, fmt in data_formats().items() if isinstance(fmt, Samples)]
     return [f"train.data.mixture[{i}].format={source.format} gives whole batches, not samples; a mixture draws "
-            f"samples of formats such as llava, webdataset, text and digits"
+            f"the samples of {', '.join(drawn)}"
             for i, source in enumerate(experiment.train.data.mixture)
             if not isinstance(data_format(source.format), Samples)]
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from hetero.config import OptimizerConfig
-from hetero.data.native_images import fit_to_patches, image_columns, load_photos, multimodal_document, photo_crops
+from hetero.data.native_images import (NativeImage, image_patches, image_places, load_photos, multimodal_document,
+                                       photo_crops)
 from hetero.data.packing import pack_rows, stack_rows
 from hetero.data.digits import IGNORE_INDEX
 from hetero.models.gpt.config import GPTConfig
@@ -50,19 +51,20 @@ def batches(steps=STEPS):
     def stream():
         while True:
             count = int(torch.randint(0, 3, (), generator=gen))
-            images = [fit_to_patches(c, VISION.patch_size, VISION.max_patches) for c in photo_crops(photos, count, gen)]
+            images = [NativeImage(c, VISION.patch_size, VISION.max_patches) for c in photo_crops(photos, count, gen)]
             segments = [text(1, 4)] if bool(torch.rand((), generator=gen) < 0.5) else []
             for image in images:
                 segments += [image, text(2, 6)]
             if not images:
                 segments.append(text(3, 12))
-            yield multimodal_document(segments, VISION.patch_size)
+            yield multimodal_document(segments)
 
     rows, out = pack_rows(stream(), LLM.seq_len), []
     width = VISION.channels * VISION.patch_size**2
     for _ in range(steps):
         chosen = [next(rows) for _ in range(ROWS)]
-        out.append(stack_rows(chosen) | image_columns(chosen, width))
+        places, images = image_places(chosen)
+        out.append(stack_rows(chosen) | places | {"image_patches": image_patches(images, width)})
     return out
 
 

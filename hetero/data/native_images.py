@@ -5,8 +5,9 @@ An image keeps its aspect ratio and its resolution, cut to whole patches, unless
 so its token count, varies from image to image. A document is a
 run of segments, images and texts: each image becomes as many placeholder tokens as it has patches,
 and the document's labels are its next tokens, with placeholders never predicted
-(``multimodal_document``). Documents pack into rows (``hetero.data.packing``); ``image_columns``
-gives the batch's per-image columns: ``image_patches`` (every image's patches, image after image,
+(``multimodal_document``); its images are resized and cut into patches only when read
+(``NativeImage``). Documents pack into rows (``hetero.data.packing``); ``image_places`` and
+``image_patches`` give the batch's per-image columns: ``image_patches`` (every image's patches, image after image,
 row-major, channels × patch × patch values each, as ``VisionEncoder.patches`` orders them),
 ``image_grid`` (height, width in patches), ``image_row`` and ``image_start`` (its first placeholder).
 
@@ -17,6 +18,7 @@ random crops of many aspect ratios (``photo_crops``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -57,47 +59,68 @@ def patchify(image: torch.Tensor, patch_size: int) -> torch.Tensor:
     return x.permute(1, 3, 0, 2, 4).reshape((height // p) * (width // p), channels * p * p)
 
 
-def multimodal_document(segments: list[torch.Tensor], patch_size: int) -> dict:
-    """A document of ``segments``: images (channels, H, W), already fitted, and texts (1-D token ids),
-    ending with a text. Its ``tokens``/``labels`` and its ``images``: (offset, patches, grid) each."""
-    if not segments or segments[-1].dim() != 1:
+@dataclass(frozen=True)
+class NativeImage:
+    """An image at native resolution whose patches are made when read: its grid is known before."""
+
+    image: torch.Tensor  # (channels, H, W), not yet fitted
+    patch_size: int
+    max_patches: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return patch_grid(self.image.shape[1], self.image.shape[2], self.patch_size, self.max_patches)
+
+    def patches(self) -> torch.Tensor:
+        return patchify(fit_to_patches(self.image, self.patch_size, self.max_patches), self.patch_size)
+
+
+def multimodal_document(segments: list[torch.Tensor | NativeImage]) -> dict:
+    """A document of ``segments``: images and texts (1-D token ids), ending with a text. Its
+    ``tokens``/``labels`` and its ``images``: (offset, image, grid) each."""
+    if not segments or not isinstance(segments[-1], torch.Tensor):
         raise ValueError("a multimodal document ends with a text segment (its last token has nothing to predict)")
     parts, images, offset = [], [], 0
     for segment in segments:
-        if segment.dim() == 1:
+        if isinstance(segment, torch.Tensor):
             parts.append(segment.long())
         else:
-            grid = (segment.shape[1] // patch_size, segment.shape[2] // patch_size)
-            images.append((offset, patchify(segment, patch_size), grid))
+            grid = segment.grid
+            images.append((offset, segment, grid))
             parts.append(torch.full((grid[0] * grid[1],), IMAGE_TOKEN, dtype=torch.long))
         offset += len(parts[-1])
     sequence = torch.cat(parts)
     placeholder = torch.zeros(len(sequence), dtype=torch.bool)
-    for start, patches, _ in images:
-        placeholder[start : start + len(patches)] = True
+    for start, _, (rows, cols) in images:
+        placeholder[start : start + rows * cols] = True
     labels = sequence[1:].clone()
     labels[placeholder[1:]] = IGNORE_INDEX
     return {"tokens": sequence[:-1], "labels": labels, "images": images}
 
 
-def image_columns(rows: list[Row], width: int) -> dict[str, torch.Tensor]:
-    """The per-image columns of a batch of packed rows (see the module docstring)."""
-    patches, grids, owners, starts = [], [], [], []
+def image_places(rows: list[Row]) -> tuple[dict[str, torch.Tensor], list[NativeImage]]:
+    """The per-image bookkeeping of a batch of packed rows (``image_grid``, ``image_row``,
+    ``image_start``: see the module docstring), and its images in that order."""
+    images, grids, owners, starts = [], [], [], []
     for r, row in enumerate(rows):
         offset = 0
         for part in row.parts:
-            for start, image_patches, grid in part.get("images", ()):
-                patches.append(image_patches)
+            for start, image, grid in part.get("images", ()):
+                images.append(image)
                 grids.append(grid)
                 owners.append(r)
                 starts.append(offset + start)
             offset += len(part["tokens"])
     return {
-        "image_patches": torch.cat(patches).float() if patches else torch.zeros(0, width),
         "image_grid": torch.tensor(grids, dtype=torch.long).reshape(-1, 2),
         "image_row": torch.tensor(owners, dtype=torch.long),
         "image_start": torch.tensor(starts, dtype=torch.long),
-    }
+    }, images
+
+
+def image_patches(images: list[NativeImage], width: int) -> torch.Tensor:
+    """``images``' patches, image after image (``image_patches``)."""
+    return torch.cat([image.patches() for image in images]).float() if images else torch.zeros(0, width)
 
 
 def load_photos(channels: int = 1) -> list[torch.Tensor]:

@@ -8,7 +8,8 @@ passage. Documents pack into rows of the LLM's ``seq_len`` (4k-16k tokens in
 
 Every step's batch is drawn from ``(seed, step)`` alone (the held-out batches from the held-out seed),
 so it is the same on every rank and under any layout. ``index`` numbers the rows of the stream
-(``step * rows + r``). Rows pack whole, then a rank keeps the rows and the images its modules read.
+(``step * rows + r``; the held-out batches' likewise). Every rank packs the step's rows (text and image
+sizes); it cuts the tokens of the rows and resizes the images its modules read, and no others.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from hetero.data.native_images import fit_to_patches, image_columns, load_photos, multimodal_document, photo_crops
+from hetero.data.native_images import (NativeImage, image_patches, image_places, load_photos, multimodal_document,
+                                       photo_crops)
 from hetero.data.packing import pack_rows, stack_rows
-from hetero.data.rank_batches import Reads, compact
+from hetero.data.rank_batches import Reads, rank_columns
 from hetero.data.text import load_stdlib_corpus
+from hetero.kinds.batch_rows import IGNORE_INDEX
 
 
 HELDOUT_BATCHES = 2
@@ -46,20 +49,33 @@ class PhotoDocuments:
             crops = photo_crops(self.photos, int(torch.randint(1, 5, (), generator=generator)), generator)
             segments = [self._passage(generator, longest)]
             for crop in crops:
-                segments += [fit_to_patches(crop, self.patch_size, self.max_patches), self._passage(generator, longest)]
-            document = multimodal_document(segments, self.patch_size)
+                segments += [NativeImage(crop, self.patch_size, self.max_patches), self._passage(generator, longest)]
+            document = multimodal_document(segments)
             if len(document["tokens"]) <= self.seq_len:
                 yield document
 
-    def _rows(self, seed: int) -> dict[str, torch.Tensor]:
+    def _rows(self, seed: int, first: int, reads: Reads | None) -> dict[str, torch.Tensor]:
+        """The batch of ``seed``'s rows, numbered from ``first``, as rank ``reads`` holds it."""
         generator = torch.Generator().manual_seed(seed)
         rows = pack_rows(self._documents(generator), self.seq_len)
         chosen = [next(rows) for _ in range(self.global_batch_size)]
-        return stack_rows(chosen) | image_columns(chosen, self.channels * self.patch_size**2)
+        text = stack_rows(chosen)
+        places, images = image_places(chosen)
+        bookkeeping = {"index": first + torch.arange(self.global_batch_size)} | places
+        if reads is not None:
+            bookkeeping["label_counts"] = (text["labels"] != IGNORE_INDEX).sum(1)
+        width = self.channels * self.patch_size**2
+
+        def items(held: torch.Tensor | None) -> dict[str, torch.Tensor]:
+            if held is None:
+                return {"image_patches": image_patches(images, width)}
+            return {"image_patches": image_patches([images[i] for i in held.tolist()], width), "image_held": held}
+
+        return rank_columns(bookkeeping, tuple(text), lambda key, rows: text[key][rows], reads, items)
 
     def batch(self, step: int, reads: Reads | None = None) -> dict[str, torch.Tensor]:
-        batch = self._rows(self.seed * 1_000_033 + step)
-        return compact(batch | {"index": step * self.global_batch_size + torch.arange(self.global_batch_size)}, reads)
+        return self._rows(self.seed * 1_000_033 + step, step * self.global_batch_size, reads)
 
     def ordered_batches(self, reads: Reads | None = None) -> list[dict[str, torch.Tensor]]:
-        return [compact(self._rows(HELDOUT_SEED + self.seed * 1_000_033 + b), reads) for b in range(HELDOUT_BATCHES)]
+        return [self._rows(HELDOUT_SEED + self.seed * 1_000_033 + b, b * self.global_batch_size, reads)
+                for b in range(HELDOUT_BATCHES)]

@@ -4,8 +4,8 @@
 Every dataset builds a step's batch from its bookkeeping first (the columns of one value per row, which
 every rank keeps: ``index``, presence flags, ``label_counts``), asks the rank's ``RankReads`` which rows of
 each wider column (tokens, labels, images, clips, DNA windows) its modules take, and builds only those
-rows (``rank_columns``). A dataset that can only make whole batches (packed photo documents, the digits'
-stream) cuts them down (``compact``), images too: a rank keeps the pixels of the images its modules take
+rows (``rank_columns``). A dataset that can only make whole batches (the digits' stream, a plug-in's
+format) cuts them down (``compact``), images too: a rank keeps the pixels of the images its modules take
 (``image_held``). A row's ``label_counts`` (its labels that carry a loss) stays for every row: every rank
 divides the LLM's loss by the global count.
 """
@@ -26,15 +26,16 @@ Values = Callable[[str, torch.Tensor], torch.Tensor]  # (column, global rows) ->
 
 
 def rank_columns(bookkeeping: dict[str, torch.Tensor], wide: Iterable[str], values: Values,
-                 reads: Reads | None, items: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
+                 reads: Reads | None, items: Callable[[torch.Tensor | None], dict[str, torch.Tensor]] | None = None
                  ) -> dict[str, torch.Tensor]:
     """A batch of ``bookkeeping`` (every row) and the ``wide`` columns, each made by ``values``: at every
     row (``reads`` None: the global batch), or at the rows rank ``reads`` takes, flagged ``held:<column>``
-    (a column none of its modules reads: no rows); ``items``: the item columns of the images it takes."""
+    (a column none of its modules reads: no rows); ``items``: the item columns of the images it takes
+    (None: of every image)."""
     size, wide = batch_size(bookkeeping), tuple(wide)
     if reads is None:
         every = torch.arange(size, device="cpu")
-        return bookkeeping | {key: values(key, every) for key in wide}
+        return bookkeeping | {key: values(key, every) for key in wide} | (items(None) if items is not None else {})
     by_column, held_items = reads(bookkeeping, (*bookkeeping, *wide))
     batch = dict(bookkeeping)
     for key in wide:
@@ -45,8 +46,10 @@ def rank_columns(bookkeeping: dict[str, torch.Tensor], wide: Iterable[str], valu
     return batch | (items(held_items) if items is not None else {})
 
 
-def _items(batch: dict[str, torch.Tensor], held: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The pixels of images ``held`` alone, their numbers in ``image_held``."""
+def _items(batch: dict[str, torch.Tensor], held: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The pixels of images ``held`` alone, their numbers in ``image_held`` (None: all, as they are)."""
+    if held is None:
+        return {}
     if "image_pixels" in batch:
         return {"image_pixels": batch["image_pixels"][held], "image_held": held}
     sizes = batch["image_grid"].prod(1)

@@ -114,7 +114,7 @@ class ViTKind(Kind):
         missing = [c.name for c in self.columns(config) if c.name not in batch] if config.per_item else []
         if missing and config.max_patches:
             return [f"{module}: native-resolution images (max_patches={config.max_patches}) need the batch columns "
-                    f"{', '.join(missing)} (hetero.data.native_images.image_columns)"]
+                    f"{', '.join(missing)} (hetero.data.native_images.image_places)"]
         if missing:
             return [f"{module}: images as items ({module}.model.items=true) need the batch columns "
                     f"{', '.join(missing)}: per image its pixels, its row and its first placeholder's position"]

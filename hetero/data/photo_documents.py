@@ -61,7 +61,7 @@ class PhotoDocuments:
         chosen = [next(rows) for _ in range(self.global_batch_size)]
         text = stack_rows(chosen)
         places, images = image_places(chosen)
-        bookkeeping = {"index": first + torch.arange(self.global_batch_size)} | places
+        bookkeeping = {"index": first + torch.arange(self.global_batch_size, device="cpu")} | places
         if reads is not None:
             bookkeeping["label_counts"] = (text["labels"] != IGNORE_INDEX).sum(1)
         width = self.channels * self.patch_size**2

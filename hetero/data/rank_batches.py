@@ -25,6 +25,20 @@ the columns being built, the global rows of each column its modules take and the
 Values = Callable[[str, torch.Tensor], torch.Tensor]  # (column, global rows) -> the column at those rows
 
 
+def made_together(make: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> Values:
+    """``Values`` of columns that ``make`` builds together from the same rows (a text window's tokens and
+    labels): built once for each set of rows asked for."""
+    made: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+
+    def values(key: str, rows: torch.Tensor) -> torch.Tensor:
+        rows_key = tuple(rows.tolist())
+        if rows_key not in made:
+            made[rows_key] = make(rows)
+        return made[rows_key][key]
+
+    return values
+
+
 def rank_columns(bookkeeping: dict[str, torch.Tensor], wide: Iterable[str], values: Values,
                  reads: Reads | None, items: Callable[[torch.Tensor | None], dict[str, torch.Tensor]] | None = None
                  ) -> dict[str, torch.Tensor]:

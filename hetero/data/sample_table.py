@@ -69,7 +69,7 @@ class SampleTable:
 
     def ordered_batches(self, reads: Reads | None = None) -> list[dict[str, torch.Tensor]]:
         """The whole split once in stored order, ``global_batch_size`` rows a batch (the last may be less)."""
-        return [self.samples(ids, reads) for ids in torch.arange(len(self)).split(self.global_batch_size)]
+        return [self.samples(ids, reads) for ids in torch.arange(len(self), device="cpu").split(self.global_batch_size)]
 
     def samples(self, ids: torch.Tensor, reads: Reads | None = None) -> dict[str, torch.Tensor]:
         """A batch of samples ``ids``, one a row."""

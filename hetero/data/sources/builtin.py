@@ -37,7 +37,7 @@ from hetero.data.digits import DigitBatches, digit_columns, ensure_digit_shards
 from hetero.data.genome import GenomeOptions, GenomeWindows, ensure_genome_shards, genome_shards
 from hetero.data.multimodal import MultimodalBatches
 from hetero.data.photo_documents import PhotoDocuments
-from hetero.data.rank_batches import Reads, rank_columns
+from hetero.data.rank_batches import Reads, made_together, rank_columns
 from hetero.data.shards import ShardError
 from hetero.data.sources.digit_conversations import DigitConversations
 from hetero.data.sources.format import Batches, DataFormat
@@ -66,14 +66,13 @@ class TextWindows:
         self.data = corpus.train if split == "train" else corpus.heldout
 
     def _batch(self, starts: torch.Tensor, reads: Reads | None) -> dict[str, torch.Tensor]:
-        def values(key: str, rows: torch.Tensor) -> torch.Tensor:
-            tokens, labels = windows(self.data, starts[rows], self.seq_len)
-            return tokens if key == "tokens" else labels
+        def made(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+            return dict(zip(("tokens", "labels"), windows(self.data, starts[rows], self.seq_len)))
 
         bookkeeping = {"index": starts}
         if reads is not None:  # every label of a window carries a loss
             bookkeeping["label_counts"] = torch.full((len(starts),), self.seq_len, dtype=torch.long, device="cpu")
-        return rank_columns(bookkeeping, ("tokens", "labels"), values, reads)
+        return rank_columns(bookkeeping, ("tokens", "labels"), made_together(made), reads)
 
     def batch(self, step: int, reads: Reads | None = None) -> dict[str, torch.Tensor]:
         return self._batch(window_starts(self.data, self.global_batch_size, self.seq_len, step, self.seed), reads)

@@ -23,7 +23,7 @@ from hetero.data.chat import ChatTokenizer
 from hetero.data.collate import readers, tokenizer_dir
 from hetero.data.config import SourceConfig
 from hetero.data.digits import IGNORE_INDEX
-from hetero.data.rank_batches import Reads, rank_columns
+from hetero.data.rank_batches import Reads, made_together, rank_columns
 from hetero.data.sample_batches import DataError
 from hetero.data.sources.format import DataFormat
 from hetero.data.sources.llava import data_files
@@ -84,23 +84,21 @@ class TextStream:
         self.tokens, self.owners = torch.tensor(tokens, dtype=torch.long), torch.tensor(owners, dtype=torch.long)
         self.global_batch_size, self.seq_len, self.seed = global_batch_size, seq_len, seed
         ends = (self.owners[1:] != self.owners[:-1]).long()  # ends[i]: position i + 1 starts another document
-        self._ends = torch.cat([torch.zeros(1, dtype=torch.long), ends.cumsum(0)])  # ends before each position
+        self._ends = torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), ends.cumsum(0)])  # ends before each position
 
     def _rows(self, starts: torch.Tensor, reads: Reads | None) -> dict[str, torch.Tensor]:
-        def values(key: str, rows: torch.Tensor) -> torch.Tensor:
-            span = starts[rows, None] + torch.arange(self.seq_len + 1)
+        def made(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+            span = starts[rows, None] + torch.arange(self.seq_len + 1, device="cpu")
             tokens, owners = self.tokens[span], self.owners[span]
             same = owners[:, 1:] == owners[:, :-1]
-            if key == "tokens":
-                return tokens[:, :-1]
-            if key == "labels":
-                return torch.where(same, tokens[:, 1:], IGNORE_INDEX)
-            return torch.cat([torch.zeros(len(rows), 1, dtype=torch.long), (~same[:, :-1]).long().cumsum(1)], 1)
+            first = torch.zeros(len(rows), 1, dtype=torch.long, device="cpu")
+            return {"tokens": tokens[:, :-1], "labels": torch.where(same, tokens[:, 1:], IGNORE_INDEX),
+                    "documents": torch.cat([first, (~same[:, :-1]).long().cumsum(1)], 1)}
 
         bookkeeping = {"index": starts}
         if reads is not None:  # a window's labels less the document ends it crosses
             bookkeeping["label_counts"] = self.seq_len - (self._ends[starts + self.seq_len] - self._ends[starts])
-        return rank_columns(bookkeeping, ("tokens", "labels", "documents"), values, reads)
+        return rank_columns(bookkeeping, ("tokens", "labels", "documents"), made_together(made), reads)
 
     def batch(self, step: int, reads: Reads | None = None) -> dict[str, torch.Tensor]:
         digest = hashlib.blake2b(f"{self.seed}:{step}".encode(), digest_size=8).digest()

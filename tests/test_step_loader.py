@@ -70,3 +70,35 @@ def test_a_worker_killed_midway_stops_the_loop_at_once():
     finally:
         steps.close()  # torch raises this from its SIGCHLD handler, wherever the test is, until the workers stop
     assert seen in ([1], [1, 2]) and time.perf_counter() - started < 30  # step 3 never comes
+
+
+class Counts:
+    global_batch_size = 1
+
+    def batch(self, step, reads=None):
+        return {"tokens": torch.full((1, 4), step)}
+
+
+def test_a_worker_that_dies_before_torch_watches_it_stops_the_loop_at_once(monkeypatch):
+    """A worker killed between its fork and the DataLoader registering its pid for the SIGCHLD handler (a
+    busy machine can hold the loop there for a while): the signal is lost, and a DataLoader with a
+    timeout waits the whole timeout on its queue without looking at its workers."""
+    signal_handling = torch.utils.data._utils.signal_handling
+    register = signal_handling._set_worker_pids
+
+    def killed_first(loader_id, pids):
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+            while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                time.sleep(0.01)
+        register(loader_id, pids)
+
+    monkeypatch.setattr(signal_handling, "_set_worker_pids", killed_first)
+    started = time.perf_counter()
+    steps = iter(StepLoader(Counts(), 1, 20, 1, 1, CPU, 60))
+    try:
+        with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) exited unexpectedly"):
+            next(steps)
+    finally:
+        steps.close()
+    assert time.perf_counter() - started < 30

@@ -50,6 +50,15 @@ def _worker_setup(_: int) -> None:
     torch.multiprocessing.set_sharing_strategy("file_system")
 
 
+def _check_started(source) -> None:
+    """Raise if a worker already died. torch's SIGCHLD handler watches the workers only from when their pids
+    are registered, after all have forked: a worker that died before (a busy machine can hold the loop there)
+    is found by nothing, as a DataLoader with a timeout waits that long on its queue without looking."""
+    for worker in source._workers:
+        if not worker.is_alive():
+            raise RuntimeError(f"DataLoader worker (pid {worker.pid}) exited unexpectedly (exit code {worker.exitcode})")
+
+
 class StepLoader:
     def __init__(self, batches: Batches, first: int, last: int, sample_reuse: int, workers: int,
                  device: torch.device, timeout_s: float, reads=None):
@@ -65,6 +74,8 @@ class StepLoader:
                                      prefetch_factor=PREFETCH, pin_memory=self.device.type == "cuda",
                                      worker_init_fn=_worker_setup, timeout=self.timeout_s))
         try:
+            if self.workers:
+                _check_started(source)
             while True:
                 tick = time.perf_counter()
                 try:

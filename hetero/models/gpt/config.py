@@ -47,6 +47,11 @@ class GPTConfig:
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys before RoPE (Qwen3)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # M-RoPE (Qwen2-VL and later): the head's rotary frequencies split among temporal, height and width
+    # positions, mrope_sections[i] frequencies each (summing to head_size / 2), in contiguous sections
+    # (Qwen2/2.5-VL) or interleaved t, h, w, t, h, w, ... (Qwen3-VL); empty: one position per token.
+    mrope_sections: list[int] = field(default_factory=list)
+    mrope_interleaved: bool = False
     # Mixture of experts (``moe.py``): num_experts > 0 replaces every layer's MLP by top_k of num_experts
     # SwiGLU experts (expert_ffn_size wide) chosen per token, plus shared_experts that every token uses.
     num_experts: int = 0
@@ -105,6 +110,7 @@ class GPTConfig:
                 f"{module}.model: each head is {self.head_size} wide (hidden_size={self.hidden_size} / "
                 f"num_heads={self.num_heads}, or head_dim), but rotary embeddings turn pairs of channels; make it even"
             )
+        errors += self._mrope_errors(module)
         if self.tie_embeddings and layout.pp > 1:
             errors.append(
                 f"{module}.model.tie_embeddings=true needs the embedding and the output layer on one "
@@ -129,6 +135,21 @@ class GPTConfig:
             sequence_parallel=options is not None and options.sequence_parallel,
             fsdp=options is not None and options.fsdp,
         )
+
+    def _mrope_errors(self, module: str) -> list[str]:
+        sections, half = list(self.mrope_sections), self.head_size // 2
+        if not sections:
+            return [f"{module}.model.mrope_interleaved=true needs mrope_sections"] if self.mrope_interleaved else []
+        field = f"{module}.model.mrope_sections={sections}"
+        if len(sections) != 3 or min(sections) < 0:
+            return [f"{field} must be three counts of frequencies (temporal, height, width), each >= 0"]
+        if sum(sections) != half:
+            return [f"{field} sum to {sum(sections)}, but a head of {self.head_size} channels turns {half} "
+                    f"frequencies; make them sum to {half}"]
+        if self.mrope_interleaved and (3 * sections[1] > half + 1 or 3 * sections[2] > half):
+            return [f"{field} with mrope_interleaved=true: height takes frequencies 1, 4, 7, ... and width "
+                    f"2, 5, 8, ... of the {half}, so at most {(half + 1) // 3} and {half // 3}"]
+        return []
 
     def _moe_errors(self, module: str, layout: Layout, options: ParallelOptions | None) -> list[str]:
         field = f"{module}.model"

@@ -40,7 +40,7 @@ from hetero.kernels.documents import Documents
 from hetero.models.gpt import megatron_state
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.megatron_names import megatron_shards, native_tensors
-from hetero.models.gpt.model import GPT, place_rows, rope_frequencies
+from hetero.models.gpt.model import GPT, mrope_of, place_rows, rope_angles, rope_frequencies
 from hetero.models.gpt.moe import Routing
 from hetero.parallel.blocks import stage_layers
 from hetero.parallel.layout import Layout
@@ -236,9 +236,7 @@ class MegatronGPT(nn.Module):
         """megatron-core's rotary angles, (seq, 1, 1, head_dim) or one row each (seq, batch, 1, head_dim),
         for the native model's positions (restarting per packed document) and frequencies (its scaling)."""
         config = self.config
-        inv_freq, _ = rope_frequencies(config.head_size, config.rope_theta, config.rope_scaling, positions.device)
-        angles = positions.to(torch.float32)[..., None] * inv_freq
-        angles = torch.cat([angles, angles], -1)
+        angles, _ = rope_angles(config.head_size, positions, config.rope_theta, config.rope_scaling, mrope_of(config))
         return angles[:, None, None] if angles.dim() == 2 else angles.transpose(0, 1)[:, :, None]
 
     def token_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

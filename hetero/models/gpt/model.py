@@ -47,14 +47,46 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     return inv_freq, attention
 
 
-def rope_tables(head_dim: int, positions: torch.Tensor, theta: float,
-                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of rotary angles for the given absolute positions (seq,) or (batch, seq): each
-    (*positions.shape, head_dim)."""
+def mrope_axes(sections: Sequence[int], interleaved: bool, device: torch.device | None = None) -> torch.Tensor:
+    """Which position (0 temporal, 1 height, 2 width) turns each rotary frequency under M-RoPE: contiguous
+    sections, or height and width on every third frequency (1, 4, ... and 2, 5, ...) as far as their
+    counts reach and temporal on the rest."""
+    temporal, height, width = sections
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3, device=device), torch.tensor([temporal, height, width], device=device))
+    frequency = torch.arange(temporal + height + width, device=device)
+    axes = torch.zeros_like(frequency)
+    axes[(frequency % 3 == 1) & (frequency < 3 * height)] = 1
+    axes[(frequency % 3 == 2) & (frequency < 3 * width)] = 2
+    return axes
+
+
+def rope_angles(head_dim: int, positions: torch.Tensor, theta: float, scaling: RopeScaling | None = None,
+                mrope: tuple[Sequence[int], bool] | None = None) -> tuple[torch.Tensor, float]:
+    """Rotary angles (*positions' rows, seq, head_dim) and the factor scaling cos and sin, for absolute
+    positions (seq,), one row each (batch, seq), or under M-RoPE (3, batch, seq): temporal, height and width
+    positions, each turning its share of the frequencies (``mrope``: the sections and whether they are
+    interleaved, ``mrope_axes``)."""
     inv_freq, attention = rope_frequencies(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float32)[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
+    if positions.dim() == 3:
+        if mrope is None:
+            raise ValueError("positions (3, batch, seq) are M-RoPE's, but the model has no mrope_sections")
+        axes = mrope_axes(*mrope, device=positions.device)
+        angles = angles.gather(0, axes.expand(1, *angles.shape[1:])).squeeze(0)
+    return torch.cat([angles, angles], dim=-1), attention
+
+
+def rope_tables(head_dim: int, positions: torch.Tensor, theta: float, scaling: RopeScaling | None = None,
+                mrope: tuple[Sequence[int], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles of ``positions`` (``rope_angles``), each (seq or batch, seq, head_dim)."""
+    angles, attention = rope_angles(head_dim, positions, theta, scaling, mrope)
     return angles.cos() * attention, angles.sin() * attention
+
+
+def mrope_of(config: GPTConfig) -> tuple[Sequence[int], bool] | None:
+    """``rope_angles``' ``mrope`` for ``config``: None without M-RoPE."""
+    return (config.mrope_sections, config.mrope_interleaved) if config.mrope_sections else None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -151,8 +183,8 @@ class GPT(nn.Module):
         later stages.
 
         ``positions`` are the absolute positions of the sequence this rank holds (needed when the
-        sequence is split, e.g. by context parallelism), (seq,) or one row each (batch, seq); by default
-        0..seq-1. ``documents``: packed rows, each token attending only within its document (the
+        sequence is split, e.g. by context parallelism), (seq,) or one row each (batch, seq), or M-RoPE's
+        (3, batch, seq); by default 0..seq-1. ``documents``: packed rows, each token attending only within its document (the
         positions then restart per document). ``inserts``: other modules'
         embeddings, each ``(index, values, rows)``, replacing local positions ``index`` of rows ``rows``
         of the token embeddings (placeholders). ``return_hidden``: also return the final
@@ -162,7 +194,7 @@ class GPT(nn.Module):
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
         config = self.config
-        cos, sin = rope_tables(config.head_size, positions, config.rope_theta, config.rope_scaling)
+        cos, sin = rope_tables(config.head_size, positions, config.rope_theta, config.rope_scaling, mrope_of(config))
         cos, sin = cos.to(x.device), sin.to(x.device)
         # Float input is already embedded: hidden states from the previous stage, or the first stage's
         # embeddings with other modalities merged in.

@@ -3,7 +3,9 @@ positions, trained on next-token cross-entropy.
 
 - reads ``tokens`` and ``labels`` of every row, and ``documents`` where rows are packed (several
   documents per row, ``hetero.data.packing``): each token then attends only within its document and its
-  RoPE position restarts where its document starts; in evaluation also every ``*_position`` column
+  RoPE position restarts where its document starts; ``rope_positions`` (rows, 3, seq_len) where the
+  model has M-RoPE sections and the rows hold images or videos (``hetero.data.mrope_positions``: without
+  it every token's three positions are its plain one); in evaluation also every ``*_position`` column
   present (e.g. ``digit_position``), whose next-token accuracy it reports as ``<name>_accuracy``;
 - input ``embeddings`` (width ``hidden_size``): any number of edges, each replacing placeholder positions
   of the rows it carries (under CP and SP each rank the positions it holds);
@@ -125,13 +127,16 @@ class GPTKind(Kind):
         return ("tokens", "labels")
 
     def optional_keys(self, available) -> tuple[str, ...]:
-        return ("documents",) if "documents" in available else ()
+        return tuple(key for key in ("documents", "rope_positions") if key in available)
 
     def columns(self, config: GPTConfig) -> tuple[Column, ...]:
         row = (Dim("seq_len", config.seq_len),)
         ids = dict(dtype=LONG, high=config.vocab_size, bound="vocab_size")
         return (Column("tokens", row, **ids), Column("labels", row, ignore=IGNORE_INDEX, **ids),
                 Column("documents", row, INTEGER, optional=True),
+                Column("rope_positions", (Dim("", 3), *row), LONG, low=0, optional=True,
+                       meaning="M-RoPE's temporal, height and width positions of each token, from 0",
+                       fix="compute them with hetero.data.mrope_positions"),
                 Column("label_counts", (), INTEGER, high=config.seq_len + 1, optional=True,
                        meaning=f"the labels of a row that carry a loss, 0..seq_len={config.seq_len}",
                        fix="count each row's labels other than the ignored ones"))
@@ -145,6 +150,9 @@ class GPTKind(Kind):
                             fix="point each at a position of its row, or -1 for none")
                      for key in self.evaluation_keys(batch)]
         errors = column_errors(module, positions, batch)
+        if "rope_positions" in batch and not config.mrope_sections:
+            errors.append(f"{module}: the batch carries rope_positions (M-RoPE's three per token), but "
+                          f"{module}.model.mrope_sections is empty; set the sections or leave the column out")
         if not errors and "documents" in batch:
             errors = [f"{module}: {error}" for error in document_errors(batch["documents"])]
         return errors
@@ -191,7 +199,10 @@ class GPTKind(Kind):
             tokens, labels = split_for_cp(tokens, 1, cp, cp_rank), split_for_cp(labels, 1, cp, cp_rank)
             held = zigzag_indices(seq_len, cp, cp_rank, device=step.device)
         documents = Documents(step.host["documents"], step.device) if "documents" in step.host else None
-        positions = held if documents is None else documents.positions()[:, held]
+        if "rope_positions" in data:  # M-RoPE's, computed on the host per row: (3, rows, held)
+            positions = data["rope_positions"][:, :, held].transpose(0, 1)
+        else:
+            positions = held if documents is None else documents.positions()[:, held]
         x = tokens if mesh.is_first_stage else step.activation
         inserts = [(arrival.index, arrival.tensor, arrival.positions) for arrival in step.inputs]
         # The experts' auxiliary losses are means over every token of the global batch; reported as sums

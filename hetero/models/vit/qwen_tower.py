@@ -1,0 +1,213 @@
+"""The vision towers of Qwen2.5-VL and Qwen3-VL at native resolution.
+
+Input: the patches of any number of images and videos, packed, ``(patches, channels · temporal_patch ·
+patch · patch)``, each image's in merge-block order (every ``merge × merge`` block of neighbouring patches
+consecutive, blocks row-major: the order the Qwen processor writes), with each one's grid ``(t, h, w)`` in
+patches (``t`` temporal patches of ``temporal_patch`` frames; a still image is one, its frame repeated).
+Output: one token per merge block, ``(patches / merge², out_size)``, and for Qwen3-VL the DeepStack taps:
+the same shape from the blocks in ``deepstack_layers``, each through its own merger.
+
+What the two families share: a patch embedding over ``temporal_patch`` frames (a Conv3d in checkpoints, a
+linear map of the flattened patch here), 2-D rotary positions in attention (height on the first half of
+each head's frequencies, width on the second), attention within one temporal patch of one image only,
+and a merger of each block's patches side by side into the LLM's width. Where they differ:
+
+- Qwen2.5-VL: RMSNorm, a SwiGLU MLP with biases, no patch bias, and window attention: every block but
+  those in ``full_attention_blocks`` attends within windows of ``window_size`` pixels (merge blocks of
+  neighbouring rows and columns; the last window of a row or column takes what is left);
+- Qwen3-VL: LayerNorm, a tanh-GELU MLP, a patch bias, a learned ``position_grid × position_grid`` table of
+  positions resized to each image's grid (bilinear, corners aligned) and added after the patch embedding,
+  and DeepStack taps.
+
+Attention costs what the images cost: one scaled-dot-product call per window or temporal patch, never a
+mask over the microbatch's patches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.models.gpt.model import apply_rope
+
+FAMILIES = ("qwen2.5-vl", "qwen3-vl")
+
+
+@dataclass
+class QwenTowerConfig:
+    family: str = "qwen2.5-vl"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_hidden_size: int = 128
+    out_size: int = 64
+    channels: int = 3
+    patch_size: int = 14
+    temporal_patch: int = 2
+    merge: int = 2
+    rope_theta: float = 10000.0
+    window_size: int = 112  # Qwen2.5-VL: pixels per window side
+    full_attention_blocks: list[int] = field(default_factory=list)  # Qwen2.5-VL
+    position_grid: int = 48  # Qwen3-VL: side of the learned position table
+    deepstack_layers: list[int] = field(default_factory=list)  # Qwen3-VL
+
+    @property
+    def qwen3(self) -> bool:
+        return self.family == "qwen3-vl"
+
+    @property
+    def patch_values(self) -> int:
+        return self.channels * self.temporal_patch * self.patch_size**2
+
+    @property
+    def window_blocks(self) -> int:
+        """Merge blocks per window side (Qwen2.5-VL)."""
+        return self.window_size // (self.merge * self.patch_size)
+
+
+def _norm(config: QwenTowerConfig, width: int) -> nn.Module:
+    return nn.LayerNorm(width, eps=1e-6) if config.qwen3 else nn.RMSNorm(width, eps=1e-6)
+
+
+class TowerAttention(nn.Module):
+    def __init__(self, config: QwenTowerConfig):
+        super().__init__()
+        self.heads, self.head_dim = config.num_heads, config.hidden_size // config.num_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[int]) -> torch.Tensor:
+        """``x`` (patches, hidden); ``groups``: consecutive lengths, each attending only within itself."""
+        q, k, v = self.qkv(x).view(len(x), 3, self.heads, self.head_dim).permute(1, 2, 0, 3)
+        q, k = apply_rope(q[None], cos, sin)[0], apply_rope(k[None], cos, sin)[0]
+        out = torch.cat([F.scaled_dot_product_attention(*parts) for parts in
+                         zip(q.split(groups, 1), k.split(groups, 1), v.split(groups, 1))], 1)
+        return self.proj(out.transpose(0, 1).reshape(len(x), -1))
+
+
+class TowerMLP(nn.Module):
+    """SwiGLU with biases (Qwen2.5-VL) or Linear, tanh-GELU, Linear (Qwen3-VL)."""
+
+    def __init__(self, config: QwenTowerConfig):
+        super().__init__()
+        width, inner = config.hidden_size, config.ffn_hidden_size
+        self.gate = None if config.qwen3 else nn.Linear(width, inner)
+        self.up = nn.Linear(width, inner)
+        self.down = nn.Linear(inner, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is None:
+            return self.down(F.gelu(self.up(x), approximate="tanh"))
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class TowerBlock(nn.Module):
+    def __init__(self, config: QwenTowerConfig):
+        super().__init__()
+        self.attention_norm = _norm(config, config.hidden_size)
+        self.attention = TowerAttention(config)
+        self.mlp_norm = _norm(config, config.hidden_size)
+        self.mlp = TowerMLP(config)
+
+    def forward(self, x, cos, sin, groups):
+        x = x + self.attention(self.attention_norm(x), cos, sin, groups)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class BlockMerger(nn.Module):
+    """Each merge block's patches side by side, normed (per patch before, or as a whole after: DeepStack's
+    mergers), then Linear-GELU-Linear into ``out_size``."""
+
+    def __init__(self, config: QwenTowerConfig, norm_after: bool = False):
+        super().__init__()
+        self.width = config.hidden_size * config.merge**2
+        self.norm_after = norm_after
+        self.norm = _norm(config, self.width if norm_after else config.hidden_size)
+        self.proj_in = nn.Linear(self.width, self.width)
+        self.proj_out = nn.Linear(self.width, config.out_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.reshape(-1, self.width)) if self.norm_after else self.norm(x).reshape(-1, self.width)
+        return self.proj_out(F.gelu(self.proj_in(x)))
+
+
+class QwenVisionTower(nn.Module):
+    def __init__(self, config: QwenTowerConfig):
+        super().__init__()
+        self.config = config
+        self.patch_embed = nn.Linear(config.patch_values, config.hidden_size, bias=config.qwen3)
+        self.pos_embed = (nn.Parameter(torch.zeros(config.position_grid**2, config.hidden_size))
+                          if config.qwen3 else None)
+        self.layers = nn.ModuleDict({str(i): TowerBlock(config) for i in range(config.num_layers)})
+        self.merger = BlockMerger(config)
+        self.deepstack = nn.ModuleDict({str(i): BlockMerger(config, norm_after=True) for i in config.deepstack_layers})
+        head = config.hidden_size // config.num_heads
+        spatial = head // 2
+        self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (
+            torch.arange(0, spatial, 2, dtype=torch.float32) / spatial), persistent=False)
+
+    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        config, device = self.config, patches.device
+        x = self.patch_embed(patches)
+        if self.pos_embed is not None:
+            x = x + torch.cat([self.grid_positions(t, h, w) for t, h, w in grids])
+        angles = self._rotary_angles(grids, device)
+        frames = [h * w for t, h, w in grids for _ in range(t)]
+        order, windows = self._windows(grids, device) if not config.qwen3 else (None, frames)
+        if order is not None:  # windows made consecutive, whole merge blocks at a time
+            x, angles = x[order], angles[order]
+        cos, sin = angles.cos(), angles.sin()
+        taps = []
+        for index, block in self.layers.items():
+            full = config.qwen3 or int(index) in config.full_attention_blocks
+            x = block(x, cos, sin, frames if full else windows)
+            if index in self.deepstack:
+                taps.append(self.deepstack[index](x))
+        merged = self.merger(x)
+        if order is not None:
+            back = torch.argsort(order[:: config.merge**2] // config.merge**2)
+            merged, taps = merged[back], [tap[back] for tap in taps]
+        return merged, taps
+
+    def grid_positions(self, t: int, h: int, w: int) -> torch.Tensor:
+        """The learned position table resized to ``h × w`` patches (bilinear, corners aligned), in
+        merge-block order, repeated for each temporal patch: (t · h · w, hidden)."""
+        side, m = self.config.position_grid, self.config.merge
+        table = self.pos_embed.view(1, side, side, -1).permute(0, 3, 1, 2)
+        grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
+        blocks = grid.reshape(h // m, m, w // m, m, -1).transpose(1, 2).reshape(h * w, -1)
+        return blocks.repeat(t, 1)
+
+    def _rotary_angles(self, grids, device) -> torch.Tensor:
+        """(patches, head_dim): each patch's height angles then width angles, twice (rotated by halves)."""
+        m, rows = self.config.merge, []
+        for t, h, w in grids:
+            hh, ww = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+            place = torch.stack([hh, ww], -1).reshape(h // m, m, w // m, m, 2).transpose(1, 2).reshape(h * w, 2)
+            rows.append(place.repeat(t, 1))
+        place = torch.cat(rows).to(torch.float32)
+        angles = torch.cat([place[:, :1] * self.inv_freq, place[:, 1:] * self.inv_freq], -1)
+        return torch.cat([angles, angles], -1)
+
+    def _windows(self, grids, device) -> tuple[torch.Tensor, list[int]]:
+        """Qwen2.5-VL's windows: the order that makes each window's patches consecutive (whole merge blocks,
+        windows row-major within each temporal patch) and the windows' lengths in patches."""
+        m, side = self.config.merge, self.config.window_blocks
+        unit, order, lengths, first = m * m, [], [], 0
+        for t, h, w in grids:
+            bh, bw = h // m, w // m
+            blocks = torch.arange(t * bh * bw, device=device).view(t, bh, bw) + first
+            for frame in blocks:
+                for top in range(0, bh, side):
+                    for left in range(0, bw, side):
+                        window = frame[top:top + side, left:left + side].reshape(-1)
+                        order.append(window)
+                        lengths.append(len(window) * unit)
+            first += t * bh * bw
+        blocks = torch.cat(order)
+        return (blocks[:, None] * unit + torch.arange(unit, device=device)).reshape(-1), lengths

@@ -8,7 +8,8 @@ from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-from hetero.models.vit.qwen_tower import QwenTowerConfig, QwenVisionTower
+from hetero.models.vit.config import ViTConfig
+from hetero.models.vit.qwen_tower import QwenVisionTower
 from hetero.models.vit.qwen_tower_hf import tower_state
 
 # (t, h, w) in patches: a still image is one temporal patch; widths and heights with windows cut short
@@ -16,18 +17,21 @@ GRIDS = [(1, 8, 12), (1, 4, 4), (2, 6, 10), (1, 10, 6)]
 SIZES = dict(depth=4, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=40, patch_size=2,
              temporal_patch_size=2, in_channels=3, spatial_merge_size=2)
 
+TOWER = dict(hidden_size=32, num_layers=4, num_heads=2, ffn_hidden_size=48, out_size=40, channels=3, patch_size=2,
+             temporal_patch=2, merge=2, max_patches=120, class_token=False, projector=False, feature_norm=False)
+
 
 def towers(family: str):
     torch.manual_seed(0)
     if family == "qwen2.5-vl":
         vision = Qwen2_5_VLConfig(vision_config=dict(SIZES, window_size=8, fullatt_block_indexes=[1, 3])).vision_config
         theirs = Qwen2_5_VisionTransformerPretrainedModel(vision)
-        ours = QwenTowerConfig(family, 32, 4, 2, 48, 40, 3, 2, 2, 2, window_size=8, full_attention_blocks=[1, 3])
+        ours = ViTConfig(**TOWER, tower=family, window_size=8, full_attention_blocks=[1, 3])
     else:
         vision = Qwen3VLConfig(vision_config=dict(SIZES, num_position_embeddings=36,
                                                   deepstack_visual_indexes=[0, 2])).vision_config
         theirs = Qwen3VLVisionModel(vision)
-        ours = QwenTowerConfig(family, 32, 4, 2, 48, 40, 3, 2, 2, 2, position_grid=6, deepstack_layers=[0, 2])
+        ours = ViTConfig(**TOWER, tower=family, position_grid=6, deepstack_layers=[0, 2])
     with torch.no_grad():  # transformers starts biases and norms at 0 and 1: make every weight matter
         for param in theirs.parameters():
             param.add_(torch.randn_like(param) * 0.1)
@@ -55,3 +59,20 @@ def test_the_tower_equals_transformers(family):
     for name, param in ours.named_parameters():
         want = grads[name]
         assert (param.grad - want).norm() <= 1e-5 * want.norm(), name
+
+
+def test_a_qwen_tower_refuses_what_it_does_not_run():
+    from hetero.parallel.layout import Layout
+
+    config = ViTConfig(**TOWER, tower="qwen3-vl", position_grid=6, deepstack_layers=[1], window_size=8)
+    errors = config.errors("vision", Layout(2, 1, 1, 1, (0, 1)))
+    assert errors == [
+        "vision.model.tower=qwen3-vl attends to whole images: set vision.model.window_size=0 and full_attention_blocks=[]",
+        "vision.model.deepstack_layers=[1]: DeepStack taps do not reach the LLM yet (its inserts after layers 0, 1, 2 "
+        "are not built); set deepstack_layers=[]",
+        "vision.layout: the qwen3-vl tower runs its images over dp (and FSDP2) only, not tp=2, cp=1, pp=1; spread it "
+        "with dp"], errors
+    assert ViTConfig(tower="qwen2.5-vl", max_patches=64, merge=2).errors("vision", Layout(1, 1, 1, 1, (0,)))[:3] == [
+        "vision.model.tower=qwen2.5-vl has no class_token: set vision.model.class_token=false",
+        "vision.model.tower=qwen2.5-vl has no projector: set vision.model.projector=false",
+        "vision.model.tower=qwen2.5-vl has no feature_norm: set vision.model.feature_norm=false"]

@@ -3,13 +3,14 @@ what its layout must divide."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetero.kinds.layout_checks import patch_model_errors, shape_errors, transformer_layout_errors
 from hetero.parallel.layout import Layout
 from hetero.parallel.options import ParallelOptions
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+TOWERS = ("vit", "qwen2.5-vl", "qwen3-vl")
 
 
 @dataclass
@@ -47,11 +48,30 @@ class ViTConfig:
     # (one image_size image per item) with ``image_row`` and ``image_start``. Native resolution takes
     # items whatever this says.
     items: bool = False
+    # The tower: hetero's ViT and its SigLIP/CLIP variants (``vit``), or Qwen2.5-VL's or Qwen3-VL's
+    # (``qwen_tower.py``): native resolution (max_patches), image_grid (t, h, w) in patches, patches in
+    # merge-block order, 2-D RoPE, merge into out_size; none of the ViT's class token, projector, feature norm.
+    tower: str = "vit"
+    temporal_patch: int = 1  # frames per patch (the Qwen towers: 2, a still image's frame repeated)
+    rope_theta: float = 10000.0  # the Qwen towers' 2-D RoPE
+    window_size: int = 0  # qwen2.5-vl: window side in pixels (a multiple of merge * patch_size)
+    full_attention_blocks: list[int] = field(default_factory=list)  # qwen2.5-vl: blocks attending to the whole image
+    position_grid: int = 0  # qwen3-vl: side of the learned position table, resized to each image
+    deepstack_layers: list[int] = field(default_factory=list)  # qwen3-vl: blocks whose features go on as taps
 
     @property
     def per_item(self) -> bool:
         """Whether the encoder takes images as items (``image_*`` columns) rather than one per row."""
         return self.items or self.max_patches > 0
+
+    @property
+    def qwen(self) -> bool:
+        return self.tower != "vit"
+
+    @property
+    def patch_values(self) -> int:
+        """Values of one patch: channels × temporal_patch × patch_size²."""
+        return self.channels * self.temporal_patch * self.patch_size**2
 
     @property
     def ffn_size(self) -> int:
@@ -90,6 +110,10 @@ class ViTConfig:
         )
         if errors:
             return errors
+        if self.tower not in TOWERS:
+            return [f"{module}.model.tower={self.tower!r} is not one of {', '.join(TOWERS)}"]
+        if self.qwen:
+            return self._qwen_errors(module, layout, options)
         errors += patch_model_errors(
             module, layout, "the vision encoder", size_field="image_size", size=self.image_size,
             patch_size=self.patch_size, hidden_size=self.hidden_size, num_heads=self.num_heads, pipeline=True,
@@ -147,3 +171,42 @@ class ViTConfig:
             sequence_parallel=options is not None and options.sequence_parallel,
             fsdp=options is not None and options.fsdp,
         )
+
+    def _qwen_errors(self, module: str, layout: Layout, options: ParallelOptions | None) -> list[str]:
+        field_, errors = f"{module}.model", []
+        for name in ("class_token", "projector", "feature_norm", "pre_norm", "class_feature", "items"):
+            if getattr(self, name):
+                errors.append(f"{field_}.tower={self.tower} has no {name}: set {field_}.{name}=false")
+        if self.max_patches <= 0:
+            errors.append(f"{field_}.tower={self.tower} takes images at native resolution: set {field_}.max_patches "
+                          f"to the most patches an image may have")
+        if self.merge < 2:
+            errors.append(f"{field_}.tower={self.tower} merges merge x merge patches into one token: set {field_}.merge (2)")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            errors.append(f"{field_}: heads of hidden_size / num_heads = {self.hidden_size}/{self.num_heads} channels; "
+                          f"the 2-D RoPE turns height and width on a quarter each: make it a multiple of 4")
+        if self.feature_layer != -1:
+            errors.append(f"{field_}.feature_layer={self.feature_layer}: the {self.tower} tower hands on its last block")
+        qwen3 = self.tower == "qwen3-vl"
+        if qwen3 and self.position_grid <= 0:
+            errors.append(f"{field_}.tower=qwen3-vl adds a learned grid of positions: set {field_}.position_grid > 0")
+        if not qwen3 and (self.position_grid or self.deepstack_layers):
+            errors.append(f"{field_}.tower=qwen2.5-vl has no learned position grid or DeepStack taps: set "
+                          f"{field_}.position_grid=0 and deepstack_layers=[]")
+        if qwen3 and (self.window_size or self.full_attention_blocks):
+            errors.append(f"{field_}.tower=qwen3-vl attends to whole images: set {field_}.window_size=0 and "
+                          f"full_attention_blocks=[]")
+        if not qwen3 and self.window_size % (self.merge * self.patch_size or 1):
+            errors.append(f"{field_}.window_size={self.window_size} is not a multiple of merge x patch_size="
+                          f"{self.merge * self.patch_size}")
+        blocks = [b for b in [*self.full_attention_blocks, *self.deepstack_layers] if not 0 <= b < self.num_layers]
+        if blocks:
+            errors.append(f"{field_}: blocks {blocks} named by full_attention_blocks or deepstack_layers are not "
+                          f"blocks 0..{self.num_layers - 1}")
+        if self.deepstack_layers:
+            errors.append(f"{field_}.deepstack_layers={self.deepstack_layers}: DeepStack taps do not reach the LLM yet "
+                          f"(its inserts after layers 0, 1, 2 are not built); set deepstack_layers=[]")
+        if layout.tp > 1 or layout.pp > 1 or layout.cp > 1:
+            errors.append(f"{module}.layout: the {self.tower} tower runs its images over dp (and FSDP2) only, not "
+                          f"tp={layout.tp}, cp={layout.cp}, pp={layout.pp}; spread it with dp")
+        return errors

@@ -26,55 +26,23 @@ mask over the microbatch's patches.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hetero.models.gpt.model import apply_rope
+from hetero.models.vit.config import ViTConfig
 
-FAMILIES = ("qwen2.5-vl", "qwen3-vl")
-
-
-@dataclass
-class QwenTowerConfig:
-    family: str = "qwen2.5-vl"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    ffn_hidden_size: int = 128
-    out_size: int = 64
-    channels: int = 3
-    patch_size: int = 14
-    temporal_patch: int = 2
-    merge: int = 2
-    rope_theta: float = 10000.0
-    window_size: int = 112  # Qwen2.5-VL: pixels per window side
-    full_attention_blocks: list[int] = field(default_factory=list)  # Qwen2.5-VL
-    position_grid: int = 48  # Qwen3-VL: side of the learned position table
-    deepstack_layers: list[int] = field(default_factory=list)  # Qwen3-VL
-
-    @property
-    def qwen3(self) -> bool:
-        return self.family == "qwen3-vl"
-
-    @property
-    def patch_values(self) -> int:
-        return self.channels * self.temporal_patch * self.patch_size**2
-
-    @property
-    def window_blocks(self) -> int:
-        """Merge blocks per window side (Qwen2.5-VL)."""
-        return self.window_size // (self.merge * self.patch_size)
+def _qwen3(config: ViTConfig) -> bool:
+    return config.tower == "qwen3-vl"
 
 
-def _norm(config: QwenTowerConfig, width: int) -> nn.Module:
-    return nn.LayerNorm(width, eps=1e-6) if config.qwen3 else nn.RMSNorm(width, eps=1e-6)
+def _norm(config: ViTConfig, width: int) -> nn.Module:
+    return nn.LayerNorm(width, eps=1e-6) if _qwen3(config) else nn.RMSNorm(width, eps=1e-6)
 
 
 class TowerAttention(nn.Module):
-    def __init__(self, config: QwenTowerConfig):
+    def __init__(self, config: ViTConfig):
         super().__init__()
         self.heads, self.head_dim = config.num_heads, config.hidden_size // config.num_heads
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
@@ -84,18 +52,21 @@ class TowerAttention(nn.Module):
         """``x`` (patches, hidden); ``groups``: consecutive lengths, each attending only within itself."""
         q, k, v = self.qkv(x).view(len(x), 3, self.heads, self.head_dim).permute(1, 2, 0, 3)
         q, k = apply_rope(q[None], cos, sin)[0], apply_rope(k[None], cos, sin)[0]
-        out = torch.cat([F.scaled_dot_product_attention(*parts) for parts in
-                         zip(q.split(groups, 1), k.split(groups, 1), v.split(groups, 1))], 1)
-        return self.proj(out.transpose(0, 1).reshape(len(x), -1))
+        if len(groups) <= 1:  # one group, or none on a replica without images (FSDP2's gathers still run)
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(*parts) for parts in
+                             zip(q.split(groups, 1), k.split(groups, 1), v.split(groups, 1))], 1)
+        return self.proj(out.transpose(0, 1).reshape(len(x), self.heads * self.head_dim))
 
 
 class TowerMLP(nn.Module):
     """SwiGLU with biases (Qwen2.5-VL) or Linear, tanh-GELU, Linear (Qwen3-VL)."""
 
-    def __init__(self, config: QwenTowerConfig):
+    def __init__(self, config: ViTConfig):
         super().__init__()
-        width, inner = config.hidden_size, config.ffn_hidden_size
-        self.gate = None if config.qwen3 else nn.Linear(width, inner)
+        width, inner = config.hidden_size, config.ffn_size
+        self.gate = None if _qwen3(config) else nn.Linear(width, inner)
         self.up = nn.Linear(width, inner)
         self.down = nn.Linear(inner, width)
 
@@ -106,7 +77,7 @@ class TowerMLP(nn.Module):
 
 
 class TowerBlock(nn.Module):
-    def __init__(self, config: QwenTowerConfig):
+    def __init__(self, config: ViTConfig):
         super().__init__()
         self.attention_norm = _norm(config, config.hidden_size)
         self.attention = TowerAttention(config)
@@ -122,7 +93,7 @@ class BlockMerger(nn.Module):
     """Each merge block's patches side by side, normed (per patch before, or as a whole after: DeepStack's
     mergers), then Linear-GELU-Linear into ``out_size``."""
 
-    def __init__(self, config: QwenTowerConfig, norm_after: bool = False):
+    def __init__(self, config: ViTConfig, norm_after: bool = False):
         super().__init__()
         self.width = config.hidden_size * config.merge**2
         self.norm_after = norm_after
@@ -136,35 +107,33 @@ class BlockMerger(nn.Module):
 
 
 class QwenVisionTower(nn.Module):
-    def __init__(self, config: QwenTowerConfig):
+    def __init__(self, config: ViTConfig):
         super().__init__()
         self.config = config
-        self.patch_embed = nn.Linear(config.patch_values, config.hidden_size, bias=config.qwen3)
+        self.patch_embed = nn.Linear(config.patch_values, config.hidden_size, bias=_qwen3(config))
         self.pos_embed = (nn.Parameter(torch.zeros(config.position_grid**2, config.hidden_size))
-                          if config.qwen3 else None)
+                          if _qwen3(config) else None)
         self.layers = nn.ModuleDict({str(i): TowerBlock(config) for i in range(config.num_layers)})
         self.merger = BlockMerger(config)
         self.deepstack = nn.ModuleDict({str(i): BlockMerger(config, norm_after=True) for i in config.deepstack_layers})
-        head = config.hidden_size // config.num_heads
-        spatial = head // 2
-        self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (
-            torch.arange(0, spatial, 2, dtype=torch.float32) / spatial), persistent=False)
+        if self.pos_embed is not None:
+            nn.init.normal_(self.pos_embed, std=0.02)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         config, device = self.config, patches.device
         x = self.patch_embed(patches)
-        if self.pos_embed is not None:
-            x = x + torch.cat([self.grid_positions(t, h, w) for t, h, w in grids])
+        if self.pos_embed is not None:  # on a replica without images too: FSDP2 reduces its (zero) gradient
+            x = x + torch.cat([self.grid_positions(t, h, w) for t, h, w in grids] or [self.pos_embed[:0]])
         angles = self._rotary_angles(grids, device)
         frames = [h * w for t, h, w in grids for _ in range(t)]
-        order, windows = self._windows(grids, device) if not config.qwen3 else (None, frames)
+        order, windows = self._windows(grids, device) if not _qwen3(config) else (None, frames)
         if order is not None:  # windows made consecutive, whole merge blocks at a time
             x, angles = x[order], angles[order]
         cos, sin = angles.cos(), angles.sin()
         taps = []
         for index, block in self.layers.items():
-            full = config.qwen3 or int(index) in config.full_attention_blocks
+            full = _qwen3(self.config) or int(index) in self.config.full_attention_blocks
             x = block(x, cos, sin, frames if full else windows)
             if index in self.deepstack:
                 taps.append(self.deepstack[index](x))
@@ -190,14 +159,17 @@ class QwenVisionTower(nn.Module):
             hh, ww = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
             place = torch.stack([hh, ww], -1).reshape(h // m, m, w // m, m, 2).transpose(1, 2).reshape(h * w, 2)
             rows.append(place.repeat(t, 1))
-        place = torch.cat(rows).to(torch.float32)
-        angles = torch.cat([place[:, :1] * self.inv_freq, place[:, 1:] * self.inv_freq], -1)
+        place = torch.cat(rows).to(torch.float32) if rows else torch.zeros(0, 2, device=device)
+        spatial = self.config.hidden_size // self.config.num_heads // 2
+        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=device) / spatial)
+        angles = torch.cat([place[:, :1] * inv_freq, place[:, 1:] * inv_freq], -1)
         return torch.cat([angles, angles], -1)
 
     def _windows(self, grids, device) -> tuple[torch.Tensor, list[int]]:
         """Qwen2.5-VL's windows: the order that makes each window's patches consecutive (whole merge blocks,
         windows row-major within each temporal patch) and the windows' lengths in patches."""
-        m, side = self.config.merge, self.config.window_blocks
+        config = self.config
+        m, side = config.merge, config.window_size // (config.merge * config.patch_size)
         unit, order, lengths, first = m * m, [], [], 0
         for t, h, w in grids:
             bh, bw = h // m, w // m
@@ -209,5 +181,5 @@ class QwenVisionTower(nn.Module):
                         order.append(window)
                         lengths.append(len(window) * unit)
             first += t * bh * bw
-        blocks = torch.cat(order)
+        blocks = torch.cat(order) if order else torch.zeros(0, dtype=torch.long, device=device)
         return (blocks[:, None] * unit + torch.arange(unit, device=device)).reshape(-1), lengths

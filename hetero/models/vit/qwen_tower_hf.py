@@ -9,7 +9,7 @@ import re
 import torch
 
 from hetero.errors import ConfigError
-from hetero.models.vit.qwen_tower import QwenTowerConfig
+from hetero.models.vit.config import ViTConfig
 
 _IN_BLOCK = {
     "norm1": "attention_norm", "norm2": "mlp_norm", "attn.qkv": "attention.qkv", "attn.proj": "attention.proj",
@@ -22,7 +22,7 @@ _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _DEEPSTACK = re.compile(r"deepstack_merger_list\.(\d+)\.(.+)")
 
 
-def tower_name(hf_name: str, config: QwenTowerConfig) -> str:
+def tower_name(hf_name: str, config: ViTConfig) -> str:
     """hetero's name of the tower weight ``hf_name`` (relative to the tower: ``blocks.3.attn.qkv.weight``)."""
     module, _, leaf = hf_name.rpartition(".")
     if module == "patch_embed.proj":
@@ -37,7 +37,7 @@ def tower_name(hf_name: str, config: QwenTowerConfig) -> str:
         tap = int(match.group(1))
         if tap < len(config.deepstack_layers):
             return f"deepstack.{config.deepstack_layers[tap]}.{_MERGER[match.group(2)]}.{leaf}"
-    raise ConfigError(f"vision tower weight {hf_name!r} has no place in hetero's {config.family} tower")
+    raise ConfigError(f"vision tower weight {hf_name!r} has no place in hetero's {config.tower} tower")
 
 
 def tower_tensor(hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -45,6 +45,6 @@ def tower_tensor(hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.flatten(1) if hf_name == "patch_embed.proj.weight" else tensor
 
 
-def tower_state(hf_state: dict[str, torch.Tensor], config: QwenTowerConfig) -> dict[str, torch.Tensor]:
+def tower_state(hf_state: dict[str, torch.Tensor], config: ViTConfig) -> dict[str, torch.Tensor]:
     """A whole tower's state dict from the checkpoint's (names relative to the tower)."""
     return {tower_name(name, config): tower_tensor(name, tensor) for name, tensor in hf_state.items()}

@@ -11,6 +11,10 @@ after image), ``image_grid`` (each image's height and width in patches); its DP 
 images by patch count. Its output is each image's tokens, one per patch, which the edge routes to the
 image's placeholders (``image_row``, from ``image_start``) in the consumer's rows.
 
+The Qwen towers (``tower``: ``qwen2.5-vl``, ``qwen3-vl``; ``qwen_tower.py``) read the same two columns at
+native resolution, ``image_grid`` then (t, h, w) per image and each patch ``temporal_patch`` frames deep, and
+hand on one token per merge block.
+
 With ``items`` (LLaVA-style conversations: any number of fixed-size images per row) it reads images
 as items too: ``image_pixels`` (channels × image_size × image_size per image) with ``image_row`` and
 ``image_start``; its DP replicas split them (every image costs its ``num_patches``) and its output is
@@ -27,6 +31,7 @@ from hetero.models.vit.config import ViTConfig
 from hetero.models.vit.flops import vit_forward_flops_per_image
 from hetero.models.vit.model import VisionEncoder
 from hetero.models.vit.plan import parallelize_vision
+from hetero.models.vit.qwen_tower import QwenVisionTower
 
 
 class ViTKind(Kind):
@@ -34,8 +39,8 @@ class ViTKind(Kind):
     config = ViTConfig
     modality = "image"
 
-    def build(self, config: ViTConfig) -> VisionEncoder:
-        return VisionEncoder(config)
+    def build(self, config: ViTConfig) -> VisionEncoder | QwenVisionTower:
+        return QwenVisionTower(config) if config.qwen else VisionEncoder(config)
 
     def parallelize(self, model, mesh, options):
         return parallelize_vision(model, mesh, options)
@@ -79,6 +84,8 @@ class ViTKind(Kind):
         return torch.full((len(batch["image_row"]),), config.num_patches, dtype=torch.long, device="cpu")
 
     def item_tokens(self, config: ViTConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if config.qwen:  # one per merge block
+            return batch["image_grid"].cpu().prod(1) // config.merge**2
         if config.max_patches:
             return batch["image_grid"].cpu().prod(1)
         return torch.full((len(batch["image_row"]),), config.feature_tokens, dtype=torch.long, device="cpu")
@@ -108,7 +115,7 @@ class ViTKind(Kind):
         if not config.max_patches:
             return (Column("image_pixels", image, FLOATING, rows=False),) + places
         return (Column("image_patches", (Dim("patch values"),), FLOATING, rows=False),
-                Column("image_grid", (Dim("", 2),), **items)) + places
+                Column("image_grid", (Dim("", 3 if config.qwen else 2),), **items)) + places
 
     def batch_errors(self, module: str, config: ViTConfig, batch: dict[str, torch.Tensor]) -> list[str]:
         missing = [c.name for c in self.columns(config) if c.name not in batch] if config.per_item else []
@@ -132,16 +139,21 @@ class ViTKind(Kind):
         if errors or not config.max_patches:
             return errors
         sizes = batch["image_grid"].cpu().prod(1)
-        errors = [f"{module}: image {i} holds {int(sizes[i])} patches ({int(batch['image_grid'][i, 0])}×"
-                  f"{int(batch['image_grid'][i, 1])}), more than {module}.model.max_patches={config.max_patches}; "
+        errors = [f"{module}: image {i} holds {int(sizes[i])} patches ({'×'.join(map(str, batch['image_grid'][i].tolist()))}), more than {module}.model.max_patches={config.max_patches}; "
                   f"shrink it to fit (hetero.data.native_images.fit_to_patches keeps its aspect ratio) or raise "
                   f"{module}.model.max_patches" for i in torch.nonzero(sizes > config.max_patches).flatten().tolist()[:1]]
-        width = config.channels * config.patch_size**2
+        if config.qwen:
+            spatial = batch["image_grid"].cpu()[:, 1:]
+            odd = torch.nonzero((spatial % config.merge).any(1)).flatten().tolist()
+            errors += [f"{module}: image {i}'s grid {batch['image_grid'][i].tolist()} (t, h, w) does not split into "
+                       f"{config.merge}×{config.merge} merge blocks; resize it to multiples of merge × patch_size="
+                       f"{config.merge * config.patch_size} pixels" for i in odd[:1]]
+        width = config.patch_values
         if held is not None:
             sizes = sizes[held.cpu()]
         if tuple(batch["image_patches"].shape) != (int(sizes.sum()), width):
             errors.append(f"{module}: image_patches has shape {tuple(batch['image_patches'].shape)} but image_grid "
-                          f"counts {int(sizes.sum())} patches of {width} values (channels × patch_size²)"
+                          f"counts {int(sizes.sum())} patches of {width} values (channels × temporal_patch × patch_size²)"
                           + (" in the images image_held names" if held is not None else ""))
         return errors
 
@@ -159,7 +171,8 @@ class ViTKind(Kind):
     def stage(self, model: VisionEncoder, step: StageStep) -> StageResult:
         if step.config.max_patches:
             grids = [tuple(g) for g in step.host["image_grid"].tolist()]
-            return StageResult(outputs={"embeddings": model(step.data["image_patches"], grids)})
+            out = model(step.data["image_patches"], grids)
+            return StageResult(outputs={"embeddings": out[0] if step.config.qwen else out})
         images = step.data["image_pixels" if step.config.items else "images"]
         out = model(images if step.mesh.is_first_stage else step.activation)
         if not step.mesh.is_last_stage:

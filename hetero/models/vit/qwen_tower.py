@@ -25,7 +25,6 @@ mask over the microbatch's patches.
 
 from __future__ import annotations
 
-import math
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -9,28 +9,26 @@ the hidden states of ``vision_feature_layer`` (no final LayerNorm, as LLaVA take
 token under the ``full`` strategy and without it under ``default``. The LLM's tokenizer, chat template
 and image token, and the tower's image processor, sit in the same directory.
 
-Refused by name (``REFUSED``): LLaVA-NeXT's anyres tiling, LLaVA-OneVision, Qwen2-VL's M-RoPE vision,
-several feature layers at once, and any top-level field not modelled.
+Refused by name (``REFUSED``): LLaVA-NeXT's anyres tiling, LLaVA-OneVision, Qwen2-VL's tower, several
+feature layers at once, and any top-level field not modelled. Qwen2.5-VL and Qwen3-VL are
+``hetero.interop.qwen_vl``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint
+from hetero.interop.vlm_part import VLMPart
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
 REFUSED = {
     "LlavaNextForConditionalGeneration": "LLaVA-NeXT's anyres tiling (image_grid_pinpoints) is not modelled",
     "LlavaNextVideoForConditionalGeneration": "LLaVA-NeXT's anyres tiling and video pooling are not modelled",
     "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision's anyres tiling is not modelled",
-    "Qwen2VLForConditionalGeneration": "Qwen2-VL's M-RoPE and its native-resolution vision tower are not modelled",
-    "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL's M-RoPE and its windowed vision tower are not modelled",
+    "Qwen2VLForConditionalGeneration": "Qwen2-VL's vision tower (LayerNorm, quick-GELU, no windows) is not modelled; "
+                                       "Qwen2.5-VL and Qwen3-VL are (hetero.interop.qwen_vl)",
 }
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM"}
@@ -107,75 +105,22 @@ def class_feature(config: dict) -> bool:
     return clip and config.get("vision_feature_select_strategy", "default") == "full"
 
 
-class LlavaPart:
-    """One part of a LLaVA checkpoint (``HFCheckpoint`` or ``KeptSource``), read as the checkpoint of that
-    module alone: its config (the part's, with an ``architectures``), names without the part's prefix
-    (the LM's as in a ``*ForCausalLM``), each mapped to the whole checkpoint's by ``raw``."""
+class LlavaPart(VLMPart):
+    """One part of a LLaVA checkpoint (``HFCheckpoint`` or ``KeptSource``): ``vision``, ``projector`` or
+    ``text`` (``VLMPart``)."""
 
     def __init__(self, whole: HFCheckpoint, part: str):
-        self.whole, self.part, self.path = whole, part, whole.path
         self.llava: dict = whole.config
         check_llava(self.llava, f"{whole.path}/config.json")
-        names = whole.names()
         if part == "vision":
             vision = self.llava["vision_config"]
-            self.config = vision | {"architectures": [VISION_ARCHITECTURES[vision["model_type"]]]}
+            config = vision | {"architectures": [VISION_ARCHITECTURES[vision["model_type"]]]}
         elif part == "text":
             text = self.llava["text_config"]
-            self.config = text | {"architectures": [TEXT_ARCHITECTURES[text["model_type"]]]}
+            config = text | {"architectures": [TEXT_ARCHITECTURES[text["model_type"]]]}
         else:
-            self.config = {}
-        anchor = next((n for n in names if n.endswith(_ANCHORS[part])), None)
-        if anchor is None:
-            raise ConfigError(f"{whole.path}: no {_ANCHORS[part]} among its weights: not a whole LLaVA checkpoint")
-        self.prefix = anchor.removesuffix(_ANCHORS[part])
-        self.head = next((n for n in names if n.endswith("lm_head.weight")), None) if part == "text" else None
-        self._names = {self._local(n): n for n in names if self._local(n) is not None}
-
-    def _local(self, raw: str) -> str | None:
-        if raw == self.head:
-            return "lm_head.weight"
-        if not raw.startswith(self.prefix):
-            return None
-        return ("model." if self.part == "text" else "") + raw.removeprefix(self.prefix)
-
-    def raw(self, name: str) -> str:
-        """The whole checkpoint's name of this part's ``name``."""
-        if name not in self._names:
-            raise KeyError(f"{self.path}: no tensor {name!r} in its {self.part} part")
-        return self._names[name]
-
-    @property
-    def files(self) -> dict[str, Path]:
-        return {name: self.whole.files[raw] for name, raw in self._names.items() if raw in self.whole.files}
-
-    @property
-    def bytes_read(self) -> int:
-        return self.whole.bytes_read
-
-    def names(self) -> list[str]:
-        return list(self._names)
-
-    def tensor(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        return self.whole.tensor(self.raw(name), index)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.whole.shape(self.raw(name))
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self.whole.dtype(self.raw(name))
-
-    def tensors(self, names) -> Iterator[tuple[str, torch.Tensor]]:
-        local = {self.raw(name): name for name in names}
-        for raw, tensor in self.whole.tensors(local):
-            yield local[raw], tensor
-
-
-def open_part(source: str | Path | Any, part: str) -> Any:
-    """The checkpoint at ``source`` (a path, or an opened ``HFCheckpoint``/``KeptSource``) as module
-    ``part`` reads it: itself, or its ``part`` where it is a whole LLaVA."""
-    checkpoint = source if hasattr(source, "names") else HFCheckpoint(source)
-    return LlavaPart(checkpoint, part) if is_llava(checkpoint.config) else checkpoint
+            config = {}
+        super().__init__(whole, part, config, _ANCHORS[part], "a whole LLaVA checkpoint")
 
 
 def image_token_text(path: str | Path) -> str | None:

@@ -43,7 +43,8 @@ MODELLED = {
 }
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
-              "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "truncate"}
+              "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "truncate", "mrope_section",
+              "mrope_interleaved"}
 
 
 def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPTConfig:
@@ -86,6 +87,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
     if any(t != "full_attention" for t in layer_types):
         refuse("layer_types", sorted(set(layer_types)), "every layer attends to the full sequence in hetero")
     theta, scaling = _rope(hf, where)
+    sections, interleaved = _mrope(hf)
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     return GPTConfig(
@@ -96,7 +98,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         head_dim=head_dim if head_dim and head_dim != hf["hidden_size"] // heads else None,
         qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3", rope_scaling=scaling,
+        qk_norm=family == "qwen3", rope_scaling=scaling, mrope_sections=sections, mrope_interleaved=interleaved,
     )
 
 
@@ -105,6 +107,8 @@ def _rope(hf: dict, where: str) -> tuple[float, RopeScaling]:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "mrope":  # how configs of Qwen2-VL and Qwen2.5-VL before transformers 5 name plain M-RoPE
+        kind = "default"
     extra = sorted(set(params) - _ROPE_KEYS)
     if extra:
         raise ConfigError(f"{where}: rope parameter(s) {', '.join(extra)} are not modelled")
@@ -124,6 +128,13 @@ def _rope(hf: dict, where: str) -> tuple[float, RopeScaling]:
         scaling.beta_slow = float(params.get("beta_slow", 1.0))
         scaling.attention_factor = params.get("attention_factor")
     return theta, scaling
+
+
+def _mrope(hf: dict) -> tuple[list[int], bool]:
+    """M-RoPE's sections and interleaving (a Qwen-VL's language model, ``hetero.interop.qwen_vl``), none for
+    a plain decoder."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    return list(params.get("mrope_section") or []), bool(params.get("mrope_interleaved", False))
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -238,7 +249,7 @@ def rope_context(config: GPTConfig) -> int:
 def load_gpt(model, path: str | Path) -> int:
     """Fill ``model`` (a GPT, whole or parallelized and materialized) from the HF checkpoint at ``path``,
     (a decoder, or a whole LLaVA's LM), each rank reading only the slices it holds; the bytes read."""
-    from hetero.interop.llava import open_part
+    from hetero.interop.parts import open_part
 
     if hasattr(model, "weights_state"):  # the megatron backend: read into its native view, then back
         view = model.weights_state()

@@ -96,7 +96,7 @@ class GPTKind(Kind):
         return parallelize_gpt(model, mesh, options)
 
     def pretrained_config(self, module, path, fields):
-        from hetero.interop.llava import open_part
+        from hetero.interop.parts import open_part
         from hetero.models.gpt.hf import check_weights, gpt_config
 
         checkpoint = open_part(path, "text")
@@ -108,7 +108,7 @@ class GPTKind(Kind):
 
     def hf_export(self, config, source):
         from hetero.interop.hf_checkpoint import HFExport
-        from hetero.interop.llava import open_part
+        from hetero.interop.parts import open_part
         from hetero.models.gpt.hf import hf_config, weight_names
 
         if config.moe:

@@ -33,7 +33,7 @@ def projector_config(part, fields: dict, module: str = "projector") -> Projector
 
 
 def load_projector(model, path: str | Path) -> int:
-    from hetero.interop.llava import open_part
+    from hetero.interop.parts import open_part
 
     return load_into(model.state_dict(keep_vars=True), open_part(path, "projector"), NAMES.get)
 
@@ -41,7 +41,7 @@ def load_projector(model, path: str | Path) -> int:
 def projector_export(source) -> HFExport:
     """Names only (no config: the projector is written within a whole LLaVA); of one imported from
     ``source``, each weight's name there."""
-    from hetero.interop.llava import open_part
+    from hetero.interop.parts import open_part
 
     raw = getattr(open_part(source, "projector"), "raw", None) if source is not None else None
     return HFExport({}, NAMES.get, raw or (lambda name: name))

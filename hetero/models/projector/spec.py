@@ -38,7 +38,7 @@ class ProjectorKind(Kind):
         return parallelize_projector(model, mesh, options)
 
     def pretrained_config(self, module, path, fields):
-        from hetero.interop.llava import open_part
+        from hetero.interop.parts import open_part
         from hetero.models.projector.hf import projector_config
 
         config = projector_config(open_part(path, "projector"), fields, module)

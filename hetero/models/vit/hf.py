@@ -152,7 +152,7 @@ def vit_shapes(config: ViTConfig) -> dict[str, tuple[int, ...]]:
 def load_vit(model, path: str | Path) -> int:
     """Fill ``model`` (a ViT, whole or parallelized and materialized) from the HF checkpoint at ``path``
     (a tower, or a whole LLaVA's), each rank reading only the slices it holds; the bytes read."""
-    from hetero.interop.llava import open_part
+    from hetero.interop.parts import open_part
 
     checkpoint = open_part(path, "vision")
     prefix = prefix_of(checkpoint)
@@ -167,7 +167,7 @@ def vit_export(config: ViTConfig, source: HFCheckpoint | None) -> HFExport:
         raise ConfigError("a ViT with its projector has no Hugging Face vision-tower form; set projector: false "
                           "and put the projector in a module of kind projector")
     if source is not None:
-        from hetero.interop.llava import open_part
+        from hetero.interop.parts import open_part
 
         part = open_part(source, "vision")  # a tower, or a whole LLaVA's
         raw = getattr(part, "raw", lambda name: name)  # the name in ``source``

@@ -22,16 +22,18 @@ ACTIVATION = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh
 
 
 class PatchEmbedding(nn.Module):
-    """A linear map of each flattened patch. The weight keeps a convolution's (out, channels, p, p) shape,
-    as vision checkpoints store it, and draws its initial values as ``nn.Linear`` does."""
+    """A linear map of each flattened patch. The weight keeps a convolution's (out, channels, p, p) shape, or
+    over ``frames`` > 1 a Conv3d's (out, channels, frames, p, p), as vision checkpoints store it, and draws
+    its initial values as ``nn.Linear`` does."""
 
-    def __init__(self, channels: int, patch_size: int, out: int, bias: bool):
+    def __init__(self, channels: int, patch_size: int, out: int, bias: bool, frames: int = 1):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out, channels, patch_size, patch_size))
+        depth = (frames,) if frames > 1 else ()
+        self.weight = nn.Parameter(torch.empty(out, channels, *depth, patch_size, patch_size))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
-            bound = 1 / math.sqrt(channels * patch_size**2)
+            bound = 1 / math.sqrt(channels * frames * patch_size**2)
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ patches (``t`` temporal patches of ``temporal_patch`` frames; a still image is o
 Output: one token per merge block, ``(patches / merge², out_size)``, and for Qwen3-VL the DeepStack taps:
 the same shape from the blocks in ``deepstack_layers``, each through its own merger.
 
-What the two families share: a patch embedding over ``temporal_patch`` frames (a Conv3d in checkpoints, a
-linear map of the flattened patch here), 2-D rotary positions in attention (height on the first half of
+What the two families share: a patch embedding over ``temporal_patch`` frames (a Conv3d's kernel, applied
+as a linear map of the flattened patch), 2-D rotary positions in attention (height on the first half of
 each head's frequencies, width on the second), attention within one temporal patch of one image only,
 and a merger of each block's patches side by side into the LLM's width. Where they differ:
 
@@ -31,6 +31,7 @@ from torch import nn
 
 from hetero.models.gpt.model import apply_rope
 from hetero.models.vit.config import ViTConfig
+from hetero.models.vit.model import PatchEmbedding
 
 def _qwen3(config: ViTConfig) -> bool:
     return config.tower == "qwen3-vl"
@@ -109,7 +110,8 @@ class QwenVisionTower(nn.Module):
     def __init__(self, config: ViTConfig):
         super().__init__()
         self.config = config
-        self.patch_embed = nn.Linear(config.patch_values, config.hidden_size, bias=_qwen3(config))
+        self.patch_embed = PatchEmbedding(config.channels, config.patch_size, config.hidden_size, _qwen3(config),
+                                          frames=config.temporal_patch)
         self.pos_embed = (nn.Parameter(torch.zeros(config.position_grid**2, config.hidden_size))
                           if _qwen3(config) else None)
         self.layers = nn.ModuleDict({str(i): TowerBlock(config) for i in range(config.num_layers)})

@@ -1,14 +1,17 @@
-"""Names of the Qwen2.5-VL and Qwen3-VL vision towers' weights in Hugging Face checkpoints (transformers 5
-spelling, under the tower's own prefix), mapped to ``QwenVisionTower``'s, and the one weight whose shape
-changes: the Conv3d patch embedding, a linear map of the flattened patch here."""
+"""Names of the Qwen2.5-VL and Qwen3-VL vision towers' weights in Hugging Face checkpoints (relative to the
+tower's prefix, the same in the hub's and transformers 5's layouts), mapped to ``QwenVisionTower``'s; the
+tensors keep their shapes."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import torch
 
 from hetero.errors import ConfigError
+from hetero.interop.hf_checkpoint import load_into
 from hetero.models.vit.config import ViTConfig
 
 _IN_BLOCK = {
@@ -40,11 +43,81 @@ def tower_name(hf_name: str, config: ViTConfig) -> str:
     raise ConfigError(f"vision tower weight {hf_name!r} has no place in hetero's {config.tower} tower")
 
 
-def tower_tensor(hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """The checkpoint's tensor as the tower holds it: the Conv3d kernel flattened per output channel."""
-    return tensor.flatten(1) if hf_name == "patch_embed.proj.weight" else tensor
-
-
 def tower_state(hf_state: dict[str, torch.Tensor], config: ViTConfig) -> dict[str, torch.Tensor]:
     """A whole tower's state dict from the checkpoint's (names relative to the tower)."""
-    return {tower_name(name, config): tower_tensor(name, tensor) for name, tensor in hf_state.items()}
+    return {tower_name(name, config): tensor for name, tensor in hf_state.items()}
+
+
+ACTIVATIONS = {"qwen2.5-vl": "silu", "qwen3-vl": "gelu_pytorch_tanh"}
+MODELLED = {"depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "in_chans", "patch_size",
+            "temporal_patch_size", "spatial_merge_size", "out_hidden_size", "window_size", "fullatt_block_indexes",
+            "hidden_act", "rope_parameters", "num_position_embeddings", "deepstack_visual_indexes"}
+PASSED_OVER = {"tokens_per_second"}  # the data's: video positions (hetero.data.mrope_positions)
+BOOKKEEPING = {"architectures", "model_type", "initializer_range", "transformers_version", "dtype", "torch_dtype",
+               "_name_or_path", "output_hidden_states", "output_attentions", "return_dict", "id2label", "label2id",
+               "chunk_size_feed_forward", "is_encoder_decoder", "problem_type"}
+DEFAULT_MAX_PATCHES = 16384
+
+
+def qwen_vit_config(vision: dict, fields: dict, module: str, path: Path | None = None) -> ViTConfig:
+    """The vit config of a Qwen-VL's ``vision_config`` (``architectures`` naming the tower), at most
+    ``fields["max_patches"]`` patches an image (default: the processor's ``max_pixels`` beside the weights,
+    else 16384)."""
+    where = f"{module}.init.hf config.json vision_config"
+    tower = vision["architectures"][0]
+    if extra := sorted(set(vision) - MODELLED - PASSED_OVER - BOOKKEEPING):
+        raise ConfigError(f"{where}: hetero does not model the field(s) {', '.join(extra)}")
+    if vision.get("hidden_act", ACTIVATIONS[tower]) != ACTIVATIONS[tower]:
+        raise ConfigError(f"{where}: hidden_act={vision['hidden_act']!r} is not modelled; the {tower} tower's is "
+                          f"{ACTIVATIONS[tower]}")
+    rope = vision.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") not in ("axial", "default"):
+        raise ConfigError(f"{where}: rope_type={rope['rope_type']!r} is not modelled (the towers' 2-D RoPE is axial)")
+    patch, merge = vision.get("patch_size", 14), vision.get("spatial_merge_size", 2)
+    qwen3 = tower == "qwen3-vl"
+    return ViTConfig(
+        tower=tower, hidden_size=vision["hidden_size"], num_layers=vision["depth"], num_heads=vision["num_heads"],
+        ffn_hidden_size=vision["intermediate_size"], out_size=vision["out_hidden_size"],
+        channels=vision.get("in_channels", vision.get("in_chans", 3)), patch_size=patch,
+        temporal_patch=vision.get("temporal_patch_size", 2), merge=merge,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        window_size=0 if qwen3 else vision.get("window_size", 112),
+        full_attention_blocks=[] if qwen3 else list(vision.get("fullatt_block_indexes", [])),
+        position_grid=round(vision.get("num_position_embeddings", 0) ** 0.5) if qwen3 else 0,
+        deepstack_layers=list(vision.get("deepstack_visual_indexes", [])) if qwen3 else [],
+        max_patches=fields.get("max_patches") or _processor_patches(path, patch) or DEFAULT_MAX_PATCHES,
+        class_token=False, projector=False, feature_norm=False,
+    )
+
+
+def _processor_patches(path: Path | None, patch: int) -> int | None:
+    """The most patches the checkpoint's image processor makes of an image (its ``max_pixels``), if it has one."""
+    processor = Path(path) / "preprocessor_config.json" if path is not None else None
+    if processor is None or not processor.is_file():
+        return None
+    config = json.loads(processor.read_text())
+    pixels = config.get("max_pixels") or (config.get("size") or {}).get("longest_edge")
+    return int(pixels) // patch**2 if pixels else None
+
+
+def check_tower_weights(part, config: ViTConfig, module: str) -> None:
+    """Refuse a tower lacking a weight, holding one with no place, or one of another shape."""
+    from hetero.models.vit.qwen_tower import QwenVisionTower
+
+    where = f"{module}.init.hf ({part.path})"
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in QwenVisionTower(config).state_dict().items()}
+    have = {tower_name(name, config): name for name in part.names()}
+    if missing := sorted(set(shapes) - set(have)):
+        raise ConfigError(f"{where}: lacks the tower's weights {', '.join(missing[:4])}")
+    for ours, theirs in have.items():
+        if ours not in shapes:
+            raise ConfigError(f"{where}: weight {theirs} has no place in the {config.tower} tower")
+        if (stored := tuple(part.shape(theirs))) != shapes[ours]:
+            raise ConfigError(f"{where}: {theirs} has shape {stored}, but its config.json gives {shapes[ours]}")
+
+
+def load_tower(model, part) -> int:
+    """Fill a Qwen tower (materialized) from its part of the checkpoint; the bytes read."""
+    names = {tower_name(name, model.config): name for name in part.names()}
+    return load_into(model.state_dict(keep_vars=True), part, names.get)

@@ -27,7 +27,8 @@ import torch
 
 from hetero.kinds.columns import FLOATING, INTEGER, Column, Dim
 from hetero.kinds.registry import Kind, Port, StageResult, StageStep
-from hetero.models.vit.config import ViTConfig
+from hetero.errors import ConfigError
+from hetero.models.vit.config import TOWERS, ViTConfig
 from hetero.models.vit.flops import vit_forward_flops_per_image
 from hetero.models.vit.model import VisionEncoder
 from hetero.models.vit.plan import parallelize_vision
@@ -46,10 +47,17 @@ class ViTKind(Kind):
         return parallelize_vision(model, mesh, options)
 
     def pretrained_config(self, module, path, fields):
-        from hetero.interop.llava import open_part
+        from hetero.interop.parts import open_part
         from hetero.models.vit.hf import check_weights, vit_config
 
         checkpoint = open_part(path, "vision")
+        if checkpoint.config.get("architectures", [""])[0] in TOWERS[1:]:  # a whole Qwen-VL's tower
+            from hetero.models.vit.qwen_tower_hf import check_tower_weights, qwen_vit_config
+
+            config = qwen_vit_config(checkpoint.config, fields, module, path)
+            self.check_given(module, config, fields, {"max_patches"})
+            check_tower_weights(checkpoint, config, module)
+            return config
         llava = getattr(checkpoint, "llava", None)  # a whole LLaVA's tower takes its feature layer from it
         config = vit_config(checkpoint.config, fields, module, llava)
         self.check_given(module, config, fields, {"items"} if llava else {"feature_layer", "items"})
@@ -59,10 +67,19 @@ class ViTKind(Kind):
     def hf_export(self, config, source):
         from hetero.models.vit.hf import vit_export
 
+        if config.qwen:
+            raise ConfigError(f"the {config.tower} tower exports no Hugging Face checkpoint yet (issue 66)")
+
         return vit_export(config, source)
 
     def load_pretrained(self, model, path):
         from hetero.models.vit.hf import load_vit
+
+        if model.config.qwen:
+            from hetero.interop.parts import open_part
+            from hetero.models.vit.qwen_tower_hf import load_tower
+
+            return load_tower(model, open_part(path, "vision"))
 
         return load_vit(model, path)
 

@@ -68,8 +68,6 @@ def test_a_qwen_tower_refuses_what_it_does_not_run():
     errors = config.errors("vision", Layout(2, 1, 1, 1, (0, 1)))
     assert errors == [
         "vision.model.tower=qwen3-vl attends to whole images: set vision.model.window_size=0 and full_attention_blocks=[]",
-        "vision.model.deepstack_layers=[1]: DeepStack taps do not reach the LLM yet (its inserts after layers 0, 1, 2 "
-        "are not built); set deepstack_layers=[]",
         "vision.layout: the qwen3-vl tower runs its images over dp (and FSDP2) only, not tp=2, cp=1, pp=1; spread it "
         "with dp"], errors
     assert ViTConfig(tower="qwen2.5-vl", max_patches=64, merge=2).errors("vision", Layout(1, 1, 1, 1, (0,)))[:3] == [

@@ -1,8 +1,9 @@
 """A whole Qwen2.5-VL checkpoint (``hetero.interop.qwen_vl``): a tiny random one saved offline by transformers
 imported into a tower dp2 (ranks 0-1) → LLM tp2 (ranks 2-3) graph, both modules naming the same directory.
 On rows of text around images of several grids and a video (random patches, the processor's steps are not
-built yet), hetero's logits on every LLM rank equal transformers' (1e-5). A Qwen3-VL checkpoint is refused
-by name until DeepStack reaches the LLM."""
+built yet), hetero's logits on every LLM rank equal transformers' (1e-5), for Qwen2.5-VL (windows, M-RoPE
+in sections) and Qwen3-VL (the learned position grid, interleaved M-RoPE, DeepStack's taps added after
+the LLM's first layers, q/k norms)."""
 
 import pytest
 import torch
@@ -41,7 +42,9 @@ def write_qwen_vl(path, family="qwen2.5-vl"):
     else:
         config = transformers.Qwen3VLConfig(vision_config=dict(VISION, num_position_embeddings=16,
                                                                deepstack_visual_indexes=[0]),
-                                            text_config=dict(TEXT, head_dim=8), **ids)
+                                            text_config=dict(TEXT, head_dim=8, rope_parameters={
+                                                "rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1],
+                                                "mrope_interleaved": True}), **ids)
         model = transformers.Qwen3VLForConditionalGeneration(config)
     with torch.no_grad():  # biases and norms start at 0 and 1: make every weight matter
         for param in model.parameters():
@@ -50,61 +53,75 @@ def write_qwen_vl(path, family="qwen2.5-vl"):
     return path
 
 
-def rows():
-    """Per row: input ids, token types (0 text, 1 image, 2 video), hetero's spans, the grids and patches."""
+def rows(family):
+    """Per row: input ids, token types (0 text, 1 image, 2 video), the images and videos as transformers
+    takes them (grid in patches, patches), and hetero's items (first placeholder, grid, patches) and
+    M-RoPE spans. A Qwen3-VL video is its frames, each between timestamp tokens and its own item."""
     gen, out = torch.Generator().manual_seed(1), []
     for parts in ROWS:
-        ids, types, spans, grids = [], [], [], []
+        row = {"ids": [], "types": [], "image": [], "video": [], "items": [], "spans": []}
+
+        def text(n):
+            row["ids"] += torch.randint(0, 100, (n,), generator=gen).tolist()
+            row["types"] += [0] * n
+
+        def picture(kind, grid, patches, step):
+            t, h, w = grid
+            row["ids"].append(START), row["types"].append(0)
+            start, tokens = len(row["ids"]), t * h * w // 4
+            row["spans"].append(VisionSpan(start, (t, h // 2, w // 2), step))
+            row["items"].append((start, grid, patches))
+            row["ids"] += [IMAGE if kind == "image" else VIDEO] * tokens
+            row["types"] += [1 if kind == "image" else 2] * tokens
+            row["ids"].append(END), row["types"].append(0)
+
         for kind, what in parts:
             if kind == "text":
-                ids += torch.randint(0, 100, (what,), generator=gen).tolist()
-                types += [0] * what
+                text(what)
                 continue
             t, h, w = what
-            ids.append(START), types.append(0)
-            step = SECONDS * TOKENS_PER_SECOND if kind == "video" else 1.0
-            spans.append(VisionSpan(len(ids), (t, h // 2, w // 2), step))
-            ids += [IMAGE if kind == "image" else VIDEO] * (t * h * w // 4)
-            types += [1 if kind == "image" else 2] * (t * h * w // 4)
-            ids.append(END), types.append(0)
-            grids.append((kind, what))
-        patches = torch.randn(sum(t * h * w for _, (t, h, w) in grids), 3 * 2 * 2 * 2, generator=gen)
-        out.append((torch.tensor(ids), torch.tensor(types), spans, grids, patches))
+            patches = torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=gen)
+            row[kind].append((what, patches))
+            if kind == "video" and family == "qwen3-vl":
+                for frame in range(t):
+                    text(2)  # its timestamp
+                    picture(kind, (1, h, w), patches[frame * h * w:(frame + 1) * h * w], 1.0)
+            else:
+                picture(kind, what, patches, SECONDS * TOKENS_PER_SECOND if kind == "video" else 1.0)
+        out.append(row)
     return out
 
 
-def transformers_logits(path):
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+def transformers_logits(path, family):
+    classes = {"qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration,
+               "qwen3-vl": transformers.Qwen3VLForConditionalGeneration}
+    model = classes[family].from_pretrained(path, dtype=torch.float32).eval()
     logits = []
     with torch.no_grad():
-        for ids, types, _, grids, patches in rows():
-            images = [g for kind, g in grids if kind == "image"]
-            videos = [g for kind, g in grids if kind == "video"]
-            image_patches = sum(t * h * w for t, h, w in images)
+        for row in rows(family):
             extra = {}
-            if images:
-                extra |= {"pixel_values": patches[:image_patches], "image_grid_thw": torch.tensor(images)}
-            if videos:
-                extra |= {"pixel_values_videos": patches[image_patches:], "video_grid_thw": torch.tensor(videos),
-                          "second_per_grid_ts": torch.tensor([SECONDS] * len(videos))}
+            if row["image"]:
+                extra |= {"pixel_values": torch.cat([p for _, p in row["image"]]),
+                          "image_grid_thw": torch.tensor([g for g, _ in row["image"]])}
+            if row["video"]:
+                extra |= {"pixel_values_videos": torch.cat([p for _, p in row["video"]]),
+                          "video_grid_thw": torch.tensor([g for g, _ in row["video"]])}
+                if family == "qwen2.5-vl":
+                    extra["second_per_grid_ts"] = torch.tensor([SECONDS] * len(row["video"]))
+            ids, types = torch.tensor(row["ids"]), torch.tensor(row["types"])
             logits.append(model(input_ids=ids[None], mm_token_type_ids=types[None], **extra).logits[0])
     return logits
 
 
-def hetero_batch():
-    """The rows padded to SEQ; transformers gives a row's images first, then its videos: so do the patches."""
+def hetero_batch(family):
+    """The rows padded to SEQ, their items in row order, each with its own patches."""
     tokens = torch.zeros(len(ROWS), SEQ, dtype=torch.long)
     rope, grids, image_row, image_start, patches = [], [], [], [], []
-    for r, (ids, _, spans, row_grids, row_patches) in enumerate(rows()):
-        tokens[r, :len(ids)] = ids
-        rope.append(mrope_positions(SEQ, spans))
-        order = sorted(range(len(spans)), key=lambda i: row_grids[i][0] != "image")
-        sizes = [t * h * w for _, (t, h, w) in (row_grids[i] for i in order)]
-        offsets = torch.tensor([0, *sizes]).cumsum(0).tolist()
-        for i in range(len(spans)):  # in row order, each its own patches
-            k = order.index(i)
-            grids.append(row_grids[i][1]), image_row.append(r), image_start.append(spans[i].start)
-            patches.append(row_patches[offsets[k]:offsets[k + 1]])
+    for r, row in enumerate(rows(family)):
+        tokens[r, :len(row["ids"])] = torch.tensor(row["ids"])
+        rope.append(mrope_positions(SEQ, row["spans"]))
+        for start, grid, item in row["items"]:
+            grids.append(grid), image_row.append(r), image_start.append(start), patches.append(item)
     return {"tokens": tokens, "labels": tokens.roll(-1, 1), "rope_positions": torch.stack(rope),
             "image_patches": torch.cat(patches), "image_grid": torch.tensor(grids), "image_row": torch.tensor(image_row),
             "image_start": torch.tensor(image_start)}
@@ -138,25 +155,13 @@ def imported_logits(rank, world_size, path, batch):
     return seen[0]
 
 
-def test_a_whole_qwen2_5_vl_imports_under_layouts(tmp_path):
-    path = write_qwen_vl(tmp_path / "qwen2.5-vl")
-    expected = transformers_logits(path)
-    held = [r for r in run_ranks(imported_logits, 4, path, hetero_batch(), timeout_s=300) if r is not None]
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_a_whole_qwen_vl_imports_under_layouts(tmp_path, family):
+    path = write_qwen_vl(tmp_path / family, family)
+    expected = transformers_logits(path, family)
+    held = [r for r in run_ranks(imported_logits, 4, path, hetero_batch(family), timeout_s=300) if r is not None]
     assert len(held) == 2  # both LLM ranks
     errors = [((ours[r, :len(want)] - want).abs().max() / want.abs().max()).item()
               for ours in held for r, want in enumerate(expected)]
-    print(f"\nimported Qwen2.5-VL: logits rel. errors {', '.join(f'{e:.1e}' for e in errors)}")
+    print(f"\nimported {family}: logits rel. errors {', '.join(f'{e:.1e}' for e in errors)}")
     assert max(errors) <= 1e-5
-
-
-def test_a_qwen3_vl_is_refused_until_deepstack_reaches_the_llm(tmp_path):
-    from hetero.models import default_registry
-
-    path = write_qwen_vl(tmp_path / "qwen3-vl", "qwen3-vl")
-    kind = default_registry()["vit"]
-    config = kind.pretrained_config("vision", path, {"max_patches": 64})
-    assert config.tower == "qwen3-vl" and config.deepstack_layers == [0] and config.position_grid == 4
-    with pytest.raises(ConfigError, match="DeepStack taps do not reach the LLM yet"):
-        from hetero.testing.kinds import build_graph
-
-        build_graph(graph(path))

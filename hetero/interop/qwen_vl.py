@@ -26,6 +26,7 @@ BOOKKEEPING = {"architectures", "model_type", "transformers_version", "_name_or_
                "use_cache", "output_hidden_states", "output_attentions", "return_dict", "is_encoder_decoder",
                "pad_token_id", "bos_token_id", "eos_token_id", "initializer_range"}
 ANCHORS = {"vision": "patch_embed.proj.weight", "text": "embed_tokens.weight"}
+DEEPSTACK = "hetero_deepstack_layers"  # in a Qwen3-VL's LM config: the layers its tower's taps follow
 
 
 def is_qwen_vl(config: dict) -> bool:
@@ -74,6 +75,8 @@ class QwenVLPart(VLMPart):
         else:
             config = text_config(self.vlm)
             config.setdefault("tie_word_embeddings", self.vlm.get("tie_word_embeddings", False))
-            config |= {"architectures": [language_model], "rope_parameters": mrope(config, tower)}
+            taps = len(self.vlm["vision_config"].get("deepstack_visual_indexes", [])) if tower == "qwen3-vl" else 0
+            config |= {"architectures": [language_model], "rope_parameters": mrope(config, tower),
+                       DEEPSTACK: list(range(taps))}  # Qwen3-VL adds tap k after layer k
             config.pop("rope_scaling", None)
         super().__init__(whole, part, config, ANCHORS[part], "a whole Qwen-VL checkpoint")

@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from hetero.kinds.layout_checks import shape_errors, transformer_layout_errors
+from hetero.parallel.blocks import stage_layers
 from hetero.parallel.layout import Layout
 from hetero.parallel.options import ParallelOptions
 
@@ -52,6 +53,9 @@ class GPTConfig:
     # (Qwen2/2.5-VL) or interleaved t, h, w, t, h, w, ... (Qwen3-VL); empty: one position per token.
     mrope_sections: list[int] = field(default_factory=list)
     mrope_interleaved: bool = False
+    # DeepStack (Qwen3-VL): an input edge carries, beside each placeholder's embedding, one more hidden_size
+    # wide feature per layer listed here, added to the residual stream at that placeholder after the layer.
+    deepstack_layers: list[int] = field(default_factory=list)
     # Mixture of experts (``moe.py``): num_experts > 0 replaces every layer's MLP by top_k of num_experts
     # SwiGLU experts (expert_ffn_size wide) chosen per token, plus shared_experts that every token uses.
     num_experts: int = 0
@@ -110,7 +114,7 @@ class GPTConfig:
                 f"{module}.model: each head is {self.head_size} wide (hidden_size={self.hidden_size} / "
                 f"num_heads={self.num_heads}, or head_dim), but rotary embeddings turn pairs of channels; make it even"
             )
-        errors += self._mrope_errors(module)
+        errors += self._mrope_errors(module) + self._deepstack_errors(module, layout)
         if self.tie_embeddings and layout.pp > 1:
             errors.append(
                 f"{module}.model.tie_embeddings=true needs the embedding and the output layer on one "
@@ -150,6 +154,22 @@ class GPTConfig:
             return [f"{field} with mrope_interleaved=true: height takes frequencies 1, 4, 7, ... and width "
                     f"2, 5, 8, ... of the {half}, so at most {(half + 1) // 3} and {half // 3}"]
         return []
+
+    def _deepstack_errors(self, module: str, layout: Layout) -> list[str]:
+        layers, field_ = list(self.deepstack_layers), f"{module}.model.deepstack_layers={list(self.deepstack_layers)}"
+        if not layers:
+            return []
+        if layers != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < self.num_layers:
+            return [f"{field_} must be distinct layers 0..{self.num_layers - 1} in rising order"]
+        errors = []
+        first = stage_layers(self.num_layers, 0, layout.pp)
+        if layers[-1] not in first:
+            errors.append(f"{field_}: DeepStack's features reach the first pipeline stage only, which holds layers "
+                          f"{first.start}..{first.stop - 1} of {self.num_layers} at {module}.layout.pp={layout.pp}; "
+                          f"use a pp whose first stage holds layer {layers[-1]}")
+        if self.backend == "megatron":
+            errors.append(f"{module}.model.backend=megatron does not add DeepStack's features; use backend=native")
+        return errors
 
     def _moe_errors(self, module: str, layout: Layout, options: ParallelOptions | None) -> list[str]:
         field = f"{module}.model"

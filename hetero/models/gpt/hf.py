@@ -20,6 +20,7 @@ import torch
 
 from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint, load_into, renamed
+from hetero.interop.qwen_vl import DEEPSTACK
 from hetero.models.gpt.config import GPTConfig, RopeScaling
 from hetero.models.gpt.model import GPT
 
@@ -39,7 +40,7 @@ MODELLED = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
     "tie_word_embeddings", "rope_theta", "rope_parameters", "rope_scaling", "attention_bias", "attention_dropout",
-    "mlp_bias", "pretraining_tp", "sliding_window", "use_sliding_window", "layer_types", TRAINED_LENGTH,
+    "mlp_bias", "pretraining_tp", "sliding_window", "use_sliding_window", "layer_types", TRAINED_LENGTH, DEEPSTACK,
 }
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
@@ -99,6 +100,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         head_dim=head_dim if head_dim and head_dim != hf["hidden_size"] // heads else None,
         qkv_bias=family == "qwen2",
         qk_norm=family == "qwen3", rope_scaling=scaling, mrope_sections=sections, mrope_interleaved=interleaved,
+        deepstack_layers=list(hf.get(DEEPSTACK, [])),
     )
 
 

@@ -187,7 +187,9 @@ class GPT(nn.Module):
         (3, batch, seq); by default 0..seq-1. ``documents``: packed rows, each token attending only within its document (the
         positions then restart per document). ``inserts``: other modules'
         embeddings, each ``(index, values, rows)``, replacing local positions ``index`` of rows ``rows``
-        of the token embeddings (placeholders). ``return_hidden``: also return the final
+        of the token embeddings (placeholders); with ``deepstack_layers``, ``values`` are wider by one
+        ``hidden_size`` part per listed layer, each added at the same places after its layer (on the first
+        pipeline stage, which holds them). ``return_hidden``: also return the final
         (normed) hidden states, e.g. for a module conditioned on them. ``aux_scale``: with experts, the
         factor their auxiliary losses join the backward with (``moe.py``; None leaves them out).
         """
@@ -199,10 +201,16 @@ class GPT(nn.Module):
         # Float input is already embedded: hidden states from the previous stage, or the first stage's
         # embeddings with other modalities merged in.
         h = x if torch.is_floating_point(x) else self.tok_embeddings(x)  # type: ignore[misc]
+        added: dict[int, list] = {}  # DeepStack: layer -> features to add after it
         for index, values, rows in inserts:
+            values, *taps = values.split(config.hidden_size, -1)
             h = place_rows(h, index, values, rows)
-        for layer in self.layers.values():
+            for layer, tap in zip(config.deepstack_layers, taps):
+                added.setdefault(layer, []).append((index, tap, rows))
+        for name, layer in self.layers.items():
             h = layer(h, cos, sin, documents, aux_scale)
+            for index, tap, rows in added.get(int(name), ()):
+                h = add_rows(h, index, tap, rows)
         if self.norm is not None:
             h = self.norm(h)
         out = self.output(h) if self.output is not None else h
@@ -219,6 +227,12 @@ def place_rows(h: torch.Tensor, index: torch.Tensor, values: torch.Tensor, rows:
     else:
         out[rows[:, None], index[None, :]] = values.to(h.dtype)
     return out
+
+
+def add_rows(h: torch.Tensor, index: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``h`` with ``values`` added where ``place_rows`` would put them (DeepStack's features)."""
+    where = (rows, index) if values.dim() == 2 else (rows[:, None], index[None, :])
+    return h.index_put(where, values.to(h.dtype), accumulate=True)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

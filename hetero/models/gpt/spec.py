@@ -164,7 +164,8 @@ class GPTKind(Kind):
         return [(key.removesuffix("_position") + "_accuracy", "mean") for key in self.evaluation_keys(available)]
 
     def inputs(self, config: GPTConfig) -> dict[str, Port]:
-        return {"embeddings": Port(config.hidden_size, tokens=config.seq_len, placeholders=True, field="hidden_size",
+        width = config.hidden_size * (1 + len(config.deepstack_layers))  # DeepStack's features beside each
+        return {"embeddings": Port(width, tokens=config.seq_len, placeholders=True, field="hidden_size",
                                    sequence=True)}
 
     def outputs(self, config: GPTConfig) -> dict[str, Port]:

@@ -203,9 +203,6 @@ class ViTConfig:
         if blocks:
             errors.append(f"{field_}: blocks {blocks} named by full_attention_blocks or deepstack_layers are not "
                           f"blocks 0..{self.num_layers - 1}")
-        if self.deepstack_layers:
-            errors.append(f"{field_}.deepstack_layers={self.deepstack_layers}: DeepStack taps do not reach the LLM yet "
-                          f"(its inserts after layers 0, 1, 2 are not built); set deepstack_layers=[]")
         if layout.tp > 1 or layout.pp > 1 or layout.cp > 1:
             errors.append(f"{module}.layout: the {self.tower} tower runs its images over dp (and FSDP2) only, not "
                           f"tp={layout.tp}, cp={layout.cp}, pp={layout.pp}; spread it with dp")

@@ -176,7 +176,8 @@ class ViTKind(Kind):
 
     def outputs(self, config: ViTConfig) -> dict[str, Port]:
         tokens = None if config.max_patches else config.feature_tokens
-        return {"embeddings": Port(config.out_size, tokens=tokens, field="out_size")}
+        width = config.out_size * (1 + len(config.deepstack_layers))  # Qwen3-VL's taps beside the tokens
+        return {"embeddings": Port(width, tokens=tokens, field="out_size")}
 
     def has_loss(self, config: ViTConfig) -> bool:
         return False
@@ -189,7 +190,9 @@ class ViTKind(Kind):
         if step.config.max_patches:
             grids = [tuple(g) for g in step.host["image_grid"].tolist()]
             out = model(step.data["image_patches"], grids)
-            return StageResult(outputs={"embeddings": out[0] if step.config.qwen else out})
+            if step.config.qwen:  # the merged tokens, then each DeepStack tap beside them
+                out = torch.cat([out[0], *out[1]], -1)
+            return StageResult(outputs={"embeddings": out})
         images = step.data["image_pixels" if step.config.items else "images"]
         out = model(images if step.mesh.is_first_stage else step.activation)
         if not step.mesh.is_last_stage:

@@ -11,7 +11,6 @@ import transformers
 from torch.distributed.tensor import DTensor
 
 from hetero.data.mrope_positions import VisionSpan, mrope_positions
-from hetero.errors import ConfigError
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 

@@ -7,13 +7,17 @@ float32. That is the arithmetic, in that order, of transformers' PIL image proce
 read from a checkpoint (``from_hf``: SigLIP or CLIP processors) gives the checkpoint's pixel values
 exactly. A vision module trained from scratch takes ``for_vision``. At native resolution
 (``patch_size`` and ``max_patches`` set) an image keeps its aspect ratio and is resized to its patch
-grid (``hetero.data.native_images.patch_grid``).
+grid (``hetero.data.native_images.patch_grid``). A Qwen-VL processor (``Qwen2VLImageProcessor``, which
+Qwen2.5-VL and Qwen3-VL name) resizes each image to whole merge blocks within ``min_pixels`` ..
+``max_pixels`` (``smart_resize``) and ``qwen_patches`` cuts it into its patches in merge-block order,
+each ``temporal_patch`` copies of the frame deep: the processor's ``pixel_values`` and ``image_grid_thw``.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -38,12 +42,18 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "CLIPImageProcessor": {"size": {"shortest_edge": 224}, "do_center_crop": True,
                            "crop_size": {"height": 224, "width": 224},
                            "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD)},
+    "Qwen2VLImageProcessor": {"size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
+                              "do_center_crop": False, "image_mean": list(OPENAI_CLIP_MEAN),
+                              "image_std": list(OPENAI_CLIP_STD), "patch_size": 14, "temporal_patch_size": 2,
+                              "merge_size": 2},
 }
 _HF_COMMON = {"do_resize": True, "resample": BICUBIC, "do_rescale": True, "rescale_factor": 1 / 255,
               "do_normalize": True, "do_convert_rgb": True, "default_to_square": False}
 # Fields that name things or feed the text side only, not how pixels are made.
 _HF_INERT = {"image_processor_type", "feature_extractor_type", "processor_class", "image_seq_length"}
-_HF_FIELDS = _HF_INERT | set(_HF_COMMON) | {"size", "do_center_crop", "crop_size", "image_mean", "image_std"}
+_QWEN_FIELDS = {"patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"}
+_HF_FIELDS = (_HF_INERT | set(_HF_COMMON) | _QWEN_FIELDS
+              | {"size", "do_center_crop", "crop_size", "image_mean", "image_std"})
 
 
 class ImageError(ValueError):
@@ -62,8 +72,13 @@ class ImagePipeline:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     channels: int  # 3: RGB; 1: grayscale (PIL mode "L")
-    patch_size: int = 0  # native resolution: > 0 with max_patches > 0
+    patch_size: int = 0  # native resolution: > 0 with max_patches > 0, or a Qwen-VL processor's
     max_patches: int = 0
+    # A Qwen-VL processor's: pixels an image is resized within, its merge blocks' side, frames per patch
+    min_pixels: int = 0
+    max_pixels: int = 0
+    merge: int = 1
+    temporal_patch: int = 1
 
     def __post_init__(self) -> None:
         if self.channels not in (1, 3):
@@ -72,8 +87,8 @@ class ImagePipeline:
             raise ValueError(f"mean and std need {self.channels} values each, got {self.mean} and {self.std}")
         if self.resample not in {int(r) for r in Image.Resampling}:
             raise ValueError(f"resample {self.resample} is not a PIL filter id")
-        if (self.patch_size > 0) != (self.max_patches > 0):
-            raise ValueError("native resolution needs both patch_size and max_patches > 0")
+        if (self.patch_size > 0) != (self.max_patches > 0 or self.qwen):
+            raise ValueError("native resolution needs both patch_size and max_patches (or max_pixels) > 0")
         if self.size is not None and self.shortest_edge is not None:
             raise ValueError("give size or shortest_edge, not both")
         if self.native and (self.size or self.shortest_edge or self.crop):
@@ -83,6 +98,11 @@ class ImagePipeline:
     def native(self) -> bool:
         """Whether images keep their aspect ratio and are fitted to a patch grid."""
         return self.patch_size > 0
+
+    @property
+    def qwen(self) -> bool:
+        """Whether it is a Qwen-VL processor's (``smart_resize``, ``qwen_patches``)."""
+        return self.max_pixels > 0
 
     @classmethod
     def from_hf(cls, directory: str | os.PathLike) -> ImagePipeline:
@@ -101,9 +121,12 @@ class ImagePipeline:
             raise ValueError(f"{path}: image_processor_type {kind!r} is not supported "
                              f"(supported: {sorted(_HF_DEFAULTS)})")
         for field, value in config.items():
-            if field not in _HF_FIELDS and value not in (None, False):  # an option switched off is harmless
+            qwen_only = field in _QWEN_FIELDS and kind != "Qwen2VLImageProcessor"
+            if (field not in _HF_FIELDS or qwen_only) and value not in (None, False):  # an option off is harmless
                 raise ValueError(f"{path}: field {field!r} = {value!r} is not supported")
         c = {**_HF_COMMON, **_HF_DEFAULTS[kind], **{k: v for k, v in config.items() if v is not None}}
+        if kind == "Qwen2VLImageProcessor":
+            return cls._qwen(c, path)
 
         size = shortest_edge = crop = None
         if c["do_resize"]:
@@ -127,6 +150,21 @@ class ImagePipeline:
         return cls(size=size, shortest_edge=shortest_edge, crop=crop, resample=int(c["resample"]),
                    rescale=float(c["rescale_factor"]) if c["do_rescale"] else 1.0,
                    mean=per_channel("image_mean", 0.0), std=per_channel("image_std", 1.0), channels=3)
+
+    @classmethod
+    def _qwen(cls, c: dict[str, Any], path: Path) -> ImagePipeline:
+        """A Qwen-VL processor's pipeline (``min_pixels``/``max_pixels`` of older configs override ``size``)."""
+        size = c["size"]
+        if not isinstance(size, dict) or not {"shortest_edge", "longest_edge"} <= set(size):
+            raise ValueError(f"{path}: field 'size' = {size!r} is not supported (shortest_edge and longest_edge)")
+        if not (c["do_resize"] and c["do_rescale"] and c["do_normalize"]):
+            raise ValueError(f"{path}: a Qwen-VL processor that does not resize, rescale and normalize is not supported")
+        return cls(size=None, shortest_edge=None, crop=None, resample=int(c["resample"]),
+                   rescale=float(c["rescale_factor"]), mean=tuple(map(float, c["image_mean"])),
+                   std=tuple(map(float, c["image_std"])), channels=3, patch_size=int(c["patch_size"]),
+                   min_pixels=int(c.get("min_pixels") or size["shortest_edge"]),
+                   max_pixels=int(c.get("max_pixels") or size["longest_edge"]), merge=int(c["merge_size"]),
+                   temporal_patch=int(c["temporal_patch_size"]))
 
     @classmethod
     def for_vision(
@@ -159,6 +197,8 @@ class ImagePipeline:
         return self._resized_size(height, width)
 
     def _resized_size(self, height: int, width: int) -> tuple[int, int]:
+        if self.qwen:
+            return smart_resize(height, width, self.patch_size * self.merge, self.min_pixels, self.max_pixels)
         if self.native:
             rows, cols = patch_grid(height, width, self.patch_size, self.max_patches)
             return rows * self.patch_size, cols * self.patch_size
@@ -190,6 +230,35 @@ class ImagePipeline:
         x.sub_(torch.tensor(self.mean, dtype=torch.float32, device="cpu"))
         x.div_(torch.tensor(self.std, dtype=torch.float32, device="cpu"))
         return x.permute(2, 0, 1).contiguous()
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """A Qwen-VL processor's size for an image: each side a multiple of ``factor`` (patch × merge), the
+    nearest (halves to even, as Python rounds) unless the area leaves ``min_pixels`` .. ``max_pixels``, where
+    both sides scale by one factor, rounded down (too large) or up (too small) to whole blocks."""
+    if max(height, width) > 200 * min(height, width):
+        raise ValueError(f"an image of {width}x{height} pixels is more than 200 times as long as it is wide; the "
+                         f"Qwen-VL processor refuses it")
+    rows, cols = round(height / factor) * factor, round(width / factor) * factor
+    if rows * cols > max_pixels:
+        shrink = math.sqrt(height * width / max_pixels)
+        rows = max(factor, math.floor(height / shrink / factor) * factor)
+        cols = max(factor, math.floor(width / shrink / factor) * factor)
+    elif rows * cols < min_pixels:
+        grow = math.sqrt(min_pixels / (height * width))
+        rows, cols = math.ceil(height * grow / factor) * factor, math.ceil(width * grow / factor) * factor
+    return rows, cols
+
+
+def qwen_patches(pixels: torch.Tensor, patch: int, merge: int, frames: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """An image (channels, H, W) as a Qwen-VL tower reads it: (h·w, channels · frames · patch²) patches in
+    merge-block order (each ``merge × merge`` block consecutive, blocks row-major), the frame repeated
+    ``frames`` times inside each patch, and its grid (1, h, w) in patches."""
+    channels, height, width = pixels.shape
+    rows, cols = height // patch, width // patch
+    x = pixels.reshape(channels, rows // merge, merge, patch, cols // merge, merge, patch)
+    x = x.permute(1, 4, 2, 5, 0, 3, 6)[:, :, :, :, :, None].expand(-1, -1, -1, -1, -1, frames, -1, -1)
+    return x.reshape(rows * cols, channels * frames * patch * patch), (1, rows, cols)
 
 
 def header_size(source: bytes | str | os.PathLike) -> tuple[int, int] | None:

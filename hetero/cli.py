@@ -96,11 +96,11 @@ def _bench(args: argparse.Namespace) -> int | None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    if args.llava:
-        from hetero.interop.llava_export import convert_llava
+    if args.vlm:
+        from hetero.interop.vlm_export import convert_vlm
 
-        out = convert_llava(args.checkpoint, args.out, registry())
-        print(f"wrote the VLM of {args.checkpoint} to {out} (Hugging Face LlavaForConditionalGeneration)")
+        out = convert_vlm(args.checkpoint, args.out, registry())
+        print(f"wrote the VLM of {args.checkpoint} to {out} (Hugging Face, the class it was imported from)")
         return
     from hetero.interop.hf_export import convert_checkpoint
 
@@ -176,14 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("checkpoint", help="a step_* directory written by hetero train")
     convert.add_argument("out", help="the Hugging Face checkpoint directory to write")
     convert.add_argument("--module", default="llm", help="which module (default: llm)")
-    convert.add_argument("--llava", action="store_true",
-                         help="write the vit, projector and gpt modules as one LlavaForConditionalGeneration (modules "
-                         "imported from one with init.hf)")
+    convert.add_argument("--vlm", "--llava", dest="vlm", action="store_true",
+                         help="write the vit, (projector) and gpt modules as one whole VLM, a LLaVA, Qwen2.5-VL or "
+                         "Qwen3-VL (modules imported from one with init.hf)")
     convert.set_defaults(run=_convert)
     from hetero.interop.tiny_llava import add_parser as add_tiny_llava
+    from hetero.interop.tiny_vlm import add_parser as add_tiny_vlm
     from hetero.plan.command import add_parser as add_plan
 
     add_tiny_llava(commands)
+    add_tiny_vlm(commands)
 
     add_plan(commands)
     return parser

@@ -1,4 +1,4 @@
-"""Whole-VLM Hugging Face checkpoints in and out (``hetero/interop/llava.py``, ``llava_export.py``): tiny
+"""Whole-VLM Hugging Face checkpoints in and out (``hetero/interop/llava.py``, ``vlm_export.py``): tiny
 random ``LlavaForConditionalGeneration`` directories built offline (``hetero tiny-llava``: CLIP + Llama
 with the ``default`` strategy at layer -2, SigLIP + Qwen2 with ``full`` at -1 and tied embeddings), each
 with its tokenizer, chat template and processor, imported into a vision dp2 → projector dp2 (ranks 0-1)
@@ -108,15 +108,15 @@ def logits_of(runtime, batch):
 
 
 def imported_trained_exported(rank, world_size, path, batch, untrained, trained):
-    from hetero.interop.llava_export import export_llava
+    from hetero.interop.vlm_export import export_vlm
     from hetero.testing.kinds import build_runtime
 
     runtime = build_runtime(graph(path, 3))
     before = logits_of(runtime, batch)
-    export_llava(runtime, untrained)
+    export_vlm(runtime, untrained)
     for step in range(3):
         runtime.train_step(batch | {"image_pixels": batch["image_pixels"] + 0.1 * step})
-    export_llava(runtime, trained)
+    export_vlm(runtime, trained)
     return before, logits_of(runtime, batch)
 
 

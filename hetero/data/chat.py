@@ -2,7 +2,9 @@
 
 A conversation is a sequence of ``Turn``s (role ``system``, ``user`` or ``assistant``); an ``<image>`` marker
 in a turn's content stands for one image. Image k becomes ``image_tokens[k]`` copies of the image token
-(the vision module decides how many), counted in order across all turns.
+(the vision module decides how many), counted in order across all turns; with a Qwen-VL tokenizer (image
+token ``<|image_pad|>`` beside ``<|vision_start|>`` and ``<|vision_end|>``) between those two, as its
+processor writes an image.
 
 With a Hugging Face tokenizer that has a ``chat_template`` the ids are exactly those of
 ``tokenizer.apply_chat_template(messages, tokenize=True)`` for the turns with their markers expanded. The
@@ -39,7 +41,8 @@ ROLES = ("system", "user", "assistant")
 IMAGE_MARKER = "<image>"
 BYTE_IMAGE_TOKEN = 0  # NUL: never in ordinary text
 BYTE_VOCAB_SIZE = 256
-_KNOWN_IMAGE_TOKENS = ("<image>", "<|image_pad|>", "<IMG_CONTEXT>")
+QWEN_IMAGE_TOKEN, QWEN_VISION_SPAN = "<|image_pad|>", ("<|vision_start|>", "<|vision_end|>")
+_KNOWN_IMAGE_TOKENS = ("<image>", QWEN_IMAGE_TOKEN, "<IMG_CONTEXT>")
 Span = tuple[int, int]  # [start, end) in characters of the rendered text
 
 
@@ -66,6 +69,7 @@ class ChatTokenizer:
     def __init__(self, tokenizer_dir: str | os.PathLike | None, image_token: str | None = None) -> None:
         self._tokenizer: Any = None
         self._image_text = "\0"
+        self._image_span = ("", "")  # the texts around an image's run (Qwen-VL's vision start and end)
         self.vocab_size = BYTE_VOCAB_SIZE
         self.image_token_id = BYTE_IMAGE_TOKEN
         self.eos_id: int | None = None
@@ -83,6 +87,9 @@ class ChatTokenizer:
         self._tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self._image_text, self.image_token_id = self._find_image_token(image_token, tokenizer_dir)
+        vocab = tokenizer.get_vocab()
+        if self._image_text == QWEN_IMAGE_TOKEN and all(text in vocab for text in QWEN_VISION_SPAN):
+            self._image_span = QWEN_VISION_SPAN
         self.eos_id = tokenizer.eos_token_id
         self.templated = bool(getattr(tokenizer, "chat_template", None))
 
@@ -106,7 +113,7 @@ class ChatTokenizer:
 
     def fingerprint(self) -> str:
         """What these tokens depend on: the tokenizer's files and the image token (bytes: nothing)."""
-        digest = hashlib.sha256(self._image_text.encode())
+        digest = hashlib.sha256("".join([self._image_text, *self._image_span]).encode())
         for path in self._files:
             digest.update(path.name.encode() + path.read_bytes())
         return digest.hexdigest()[:16]
@@ -153,7 +160,8 @@ class ChatTokenizer:
             pieces = turn.content.split(IMAGE_MARKER)
             expanded = pieces[0]
             for piece in pieces[1:]:
-                expanded += self._image_text * next(counts) + piece
+                opening, closing = self._image_span
+                expanded += opening + self._image_text * next(counts) + closing + piece
             contents.append(expanded)
         return contents
 

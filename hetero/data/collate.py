@@ -10,9 +10,12 @@ skip; ``plan`` finds the positions a sample keeps from its index entry (``hetero
 text tokens and its images' headers), so that samples can be packed before they are read. Rows are padded to ``seq_len``.
 
 Columns: ``tokens``, ``labels`` (rows, seq_len), ``index`` (rows,), ``documents`` (rows, seq_len) for
-packed rows (each position's sample in its row; attention stays inside it), and
+packed rows (each position's sample in its row; attention stays inside it), ``rope_positions`` (rows, 3,
+seq_len) for an LLM with M-RoPE (``hetero.data.mrope_positions``: each image a span of its merged grid,
+positions restarting per document), and
 the vision module's items: ``image_pixels`` (images, channels, size, size) for a fixed-size encoder
-(``model.items``), ``image_patches``/``image_grid`` at native resolution, with ``image_row`` and
+(``model.items``), ``image_patches``/``image_grid`` at native resolution (a Qwen tower's: the processor's
+patches in merge-block order and (t, h, w) grids, one placeholder per merge block), with ``image_row`` and
 ``image_start`` (the row and the first placeholder of each image).
 """
 
@@ -28,7 +31,8 @@ import torch
 
 from hetero.data.chat import ChatTokenizer
 from hetero.data.digits import IGNORE_INDEX
-from hetero.data.images import ImageError, ImagePipeline, has_image_processor
+from hetero.data.images import BICUBIC, ImageError, ImagePipeline, has_image_processor, qwen_patches
+from hetero.data.mrope_positions import VisionSpan, mrope_positions
 from hetero.data.native_images import patchify
 from hetero.data.sample_index import INDEX_DIR, SampleIndex
 from hetero.data.samples import ImageRef, Sample, SampleError
@@ -94,6 +98,8 @@ def image_pipeline(vision: Node) -> ImagePipeline:
     """The vision module's preprocessing: its checkpoint's ``preprocessor_config.json`` when imported
     with one, else from its config (``ImagePipeline.for_vision``)."""
     config, hf = vision.config, vision.settings.init.hf
+    if config.qwen:
+        return _qwen_pipeline(vision)
     native = dict(patch_size=config.patch_size, max_patches=config.max_patches) if config.max_patches else {}
     if hf is not None and has_image_processor(hf):
         pipeline = dataclasses.replace(ImagePipeline.from_hf(hf), **native)
@@ -103,6 +109,34 @@ def image_pipeline(vision: Node) -> ImagePipeline:
                               f"{vision.name}.model.image_size={config.image_size}")
         return pipeline
     return ImagePipeline.for_vision(config.image_size, config.channels, config.patch_size, config.max_patches)
+
+
+def _qwen_pipeline(vision: Node) -> ImagePipeline:
+    """A Qwen tower's processor: its checkpoint's, else one of its sizes (within merge blocks up to
+    ``max_patches``, mean and std 0.5); refused when it disagrees with the tower or makes larger images."""
+    config, hf = vision.config, vision.settings.init.hf
+    if hf is not None and has_image_processor(hf):
+        pipeline = ImagePipeline.from_hf(hf)
+        if not pipeline.qwen:
+            raise ConfigError(f"{vision.name}: {hf}'s image processor is not a Qwen-VL processor, which the "
+                              f"{config.tower} tower takes")
+    else:
+        block = config.merge * config.patch_size
+        pipeline = ImagePipeline(size=None, shortest_edge=None, crop=None, resample=BICUBIC, rescale=1 / 255,
+                                 mean=(0.5,) * config.channels, std=(0.5,) * config.channels, channels=config.channels,
+                                 patch_size=config.patch_size, min_pixels=block * block,
+                                 max_pixels=config.max_patches * config.patch_size**2, merge=config.merge,
+                                 temporal_patch=config.temporal_patch)
+    made = (pipeline.patch_size, pipeline.merge, pipeline.temporal_patch)
+    if made != (config.patch_size, config.merge, config.temporal_patch):
+        raise ConfigError(f"{vision.name}: the image processor cuts patches of {made[0]} pixels, merges {made[1]}x"
+                          f"{made[1]} and repeats {made[2]} frames, but {vision.name}.model has patch_size="
+                          f"{config.patch_size}, merge={config.merge}, temporal_patch={config.temporal_patch}")
+    if pipeline.max_pixels // pipeline.patch_size**2 > config.max_patches:
+        raise ConfigError(f"{vision.name}: the image processor makes images of up to "
+                          f"{pipeline.max_pixels // pipeline.patch_size**2} patches, more than {vision.name}.model."
+                          f"max_patches={config.max_patches}; raise it")
+    return pipeline
 
 
 class Shaper:
@@ -118,11 +152,14 @@ class Shaper:
             raise ConfigError(f"{self.llm.name}'s tokenizer has {self.tokenizer.vocab_size} tokens, more than "
                               f"{self.llm.name}.model.vocab_size={vocab}; raise it to {self.tokenizer.vocab_size}")
         self.pipeline = image_pipeline(self.vision) if self.vision is not None else None
+        self.mrope = bool(self.llm.config.mrope_sections)
         self.pad_id = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
         self.decoded = self.bytes_read = self.tokenized = 0  # images decoded so far, their bytes, samples tokenized
 
     def image_tokens(self, picture: Picture) -> int:
         config = self.vision.config
+        if config.qwen:  # one per merge block
+            return (picture.shape[1] // config.patch_size) * (picture.shape[2] // config.patch_size) // config.merge**2
         if config.max_patches:
             return (picture.shape[1] // config.patch_size) * (picture.shape[2] // config.patch_size)
         return config.feature_tokens
@@ -191,7 +228,7 @@ class Shaper:
         if not config.max_patches:
             return config.feature_tokens
         rows, cols = self.pipeline.output_size(height, width)
-        return (rows // config.patch_size) * (cols // config.patch_size)
+        return (rows // config.patch_size) * (cols // config.patch_size) // (config.merge**2 if config.qwen else 1)
 
     def _placed(self, index: SampleIndex, sample: int, where: Callable[[], str]) -> tuple[int, list[tuple[int, int]]]:
         """Sample ``sample``'s length in next-token pairs and its images' (first placeholder, count), whole,
@@ -272,8 +309,9 @@ class Shaper:
             config = self.vision.config
             if config.max_patches:
                 grids = [(p.shape[1] // config.patch_size, p.shape[2] // config.patch_size) for p in images]
-                places["image_grid"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 2)
-        text = ("tokens", "labels") + (("documents",) if packed else ())
+                grids = [(1, *grid) for grid in grids] if config.qwen else grids
+                places["image_grid"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 3 if config.qwen else 2)
+        text = ("tokens", "labels") + (("documents",) if packed else ()) + (("rope_positions",) if self.mrope else ())
         if reads is None:
             held_rows, held = torch.arange(len(rows)), None
         else:
@@ -282,7 +320,10 @@ class Shaper:
         tokens = torch.full((len(held_rows), length), self.pad_id, dtype=torch.long)
         labels = torch.full((len(held_rows), length), IGNORE_INDEX, dtype=torch.long)
         documents = torch.zeros(len(held_rows), length, dtype=torch.long)
+        rope = torch.zeros(len(held_rows), 3, length, dtype=torch.long) if self.mrope else None
         for h, r in enumerate(held_rows.tolist()):
+            if rope is not None:
+                rope[h] = self._rope_positions(rows[r], packed)
             offset = 0
             for d, doc in enumerate(rows[r]):
                 tokens[h, offset : offset + doc.length], labels[h, offset : offset + doc.length] = doc.text()
@@ -291,6 +332,7 @@ class Shaper:
             documents[h, offset:] = len(rows[r])
         batch = {"tokens": tokens, "labels": labels, "index": places.pop("index")}
         batch |= ({"documents": documents} if packed else {}) | {"label_counts": label_counts} | places
+        batch |= {"rope_positions": rope} if rope is not None else {}
         if reads is not None:
             flags = torch.zeros(len(rows), dtype=torch.bool)
             flags[held_rows] = True
@@ -301,8 +343,25 @@ class Shaper:
             return batch | self._items([p.read() for p in images])
         return batch | self._items([images[i].read() for i in held.tolist()]) | {"image_held": held}
 
+    def _rope_positions(self, row: list[Document], packed: bool) -> torch.Tensor:
+        """M-RoPE's positions of a row: each image a span of its merged grid; with ``packed``, restarting
+        in every document and in the padding after them."""
+        merge = self.vision.config.merge if self.vision is not None else 1
+        spans, starts, offset = [], [0], 0
+        for doc in row:
+            for start, picture in doc.images:
+                height, width = picture.shape[1] // self.vision.config.patch_size, picture.shape[2] // self.vision.config.patch_size
+                spans.append(VisionSpan(offset + start, (1, height // merge, width // merge)))
+            offset += doc.length
+            starts.append(offset)
+        starts = sorted({s for s in starts[:-1] + ([offset] if offset < self.seq_len else [])}) if packed else [0]
+        return mrope_positions(self.seq_len, spans, starts)
+
     def _items(self, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         config = self.vision.config
+        if config.qwen:
+            patches = [qwen_patches(i, config.patch_size, config.merge, config.temporal_patch)[0] for i in images]
+            return {"image_patches": torch.cat(patches) if patches else torch.zeros(0, config.patch_values)}
         if not config.max_patches:
             size = config.image_size
             return {"image_pixels": torch.stack(images) if images else torch.zeros(0, config.channels, size, size)}
@@ -312,6 +371,7 @@ class Shaper:
 
     def columns(self, packed: bool) -> tuple[str, ...]:
         held = ("tokens", "labels", "index") + (("documents",) if packed else ()) + ("label_counts",)
+        held += ("rope_positions",) if self.mrope else ()
         if self.vision is None:
             return held
         items = ("image_pixels",) if not self.vision.config.max_patches else ("image_patches", "image_grid")

@@ -44,7 +44,7 @@ def export_hf(runtime, module: str, path: str | Path) -> Path:
     export = node.kind.hf_export(node.config, source)
     if not export.config:
         raise ConfigError(f"{module}: a {node.kind.name} module has no Hugging Face checkpoint of its own; write the "
-                          "whole VLM it belongs to (export_llava, hetero convert --llava)")
+                          "whole VLM it belongs to (export_vlm, hetero convert --vlm)")
     files = write_stages(runtime, module, export, source, path, 0, node.layout.pp)
     dist.barrier()
     if dist.get_rank() == node.layout.ranks[0]:

@@ -35,7 +35,7 @@ def write_tiny_llava(out: str | Path, pair: str = "clip-llama", seed: int = 0) -
     if pair not in PAIRS:
         raise ValueError(f"pair={pair!r} is not one of {', '.join(PAIRS)}")
     out = Path(out)
-    tokenizer = _tokenizer()
+    tokenizer = tiny_tokenizer(SPECIALS, IMAGE_TOKEN, CHAT_TEMPLATE)
     vocab, image_token = len(tokenizer), tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     text = dict(vocab_size=vocab, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
@@ -73,9 +73,10 @@ def write_tiny_llava(out: str | Path, pair: str = "clip-llama", seed: int = 0) -
     return out
 
 
-def _tokenizer():
+def tiny_tokenizer(specials: list[str], image_token: str, chat_template: str):
     """A byte-level BPE of 512 tokens, trained on the example dataset's words and a few standard-library
-    docstrings (no download), with the special tokens and the chat template."""
+    docstrings (no download), with ``specials`` (``<|im_end|>`` its eos, ``<|endoftext|>`` its padding,
+    ``image_token`` its image token) and ``chat_template``."""
     import argparse as argparse_module
     import collections
     import json
@@ -93,10 +94,10 @@ def _tokenizer():
     texts = [m.__doc__ for m in (argparse_module, collections, json, textwrap)]
     texts += list(PHOTOS.values()) + list(WORDS) + [SYSTEM]
     bpe.train_from_iterator(texts, trainer)
-    bpe.add_special_tokens(SPECIALS)
+    bpe.add_special_tokens(specials)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        extra_special_tokens={"image_token": IMAGE_TOKEN})
-    tokenizer.chat_template = CHAT_TEMPLATE
+                                        extra_special_tokens={"image_token": image_token})
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from hetero.errors import ConfigError
-from hetero.interop.hf_checkpoint import load_into
+from hetero.interop.hf_checkpoint import HFExport, load_into
 from hetero.models.vit.config import ViTConfig
 
 _IN_BLOCK = {
@@ -121,3 +121,16 @@ def load_tower(model, part) -> int:
     """Fill a Qwen tower (materialized) from its part of the checkpoint; the bytes read."""
     names = {tower_name(name, model.config): name for name in part.names()}
     return load_into(model.state_dict(keep_vars=True), part, names.get)
+
+
+def tower_export(config: ViTConfig, source) -> HFExport:
+    """The tower's weights under their names in the whole Qwen-VL it was imported from (written back with
+    the rest of it: ``hetero.interop.vlm_export``); a tower trained from scratch has no checkpoint form."""
+    if source is None:
+        raise ConfigError(f"a {config.tower} tower trained from scratch has no Hugging Face form; import one from a "
+                          "whole Qwen-VL (init.hf) to write it back with its LLM (hetero convert --vlm)")
+    from hetero.interop.parts import open_part
+
+    part = open_part(source, "vision")
+    names = {tower_name(name, config): name for name in part.names()}
+    return HFExport(part.config, names.get, part.raw)

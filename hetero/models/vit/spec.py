@@ -27,7 +27,6 @@ import torch
 
 from hetero.kinds.columns import FLOATING, INTEGER, Column, Dim
 from hetero.kinds.registry import Kind, Port, StageResult, StageStep
-from hetero.errors import ConfigError
 from hetero.models.vit.config import TOWERS, ViTConfig
 from hetero.models.vit.flops import vit_forward_flops_per_image
 from hetero.models.vit.model import VisionEncoder
@@ -68,7 +67,9 @@ class ViTKind(Kind):
         from hetero.models.vit.hf import vit_export
 
         if config.qwen:
-            raise ConfigError(f"the {config.tower} tower exports no Hugging Face checkpoint yet (issue 66)")
+            from hetero.models.vit.qwen_tower_hf import tower_export
+
+            return tower_export(config, source)
 
         return vit_export(config, source)
 

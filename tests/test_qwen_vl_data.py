@@ -17,6 +17,7 @@ from hetero.config import load_experiment
 from hetero.data.example import write_llava
 from hetero.data.splits import load
 from hetero.interop.tiny_vlm import IMAGE_TOKEN, write_tiny_vlm
+from hetero.parallel.context import zigzag_indices
 from hetero.testing.kinds import build_graph
 from hetero.testing.multiprocess import run_ranks
 
@@ -77,7 +78,27 @@ def llm_logits(rank, world_size, experiment, batch):
     hook = runtime.modules["llm"].model.register_forward_hook(keep)
     runtime.evaluate([batch])
     hook.remove()
-    return torch.cat(seen)  # the microbatches' rows in order
+    logits, mesh = torch.cat(seen), runtime.modules["llm"].mesh  # the microbatches' rows in order
+    held = zigzag_indices(runtime.graph.nodes["llm"].config.seq_len, mesh.layout.cp, mesh.coord.cp, device="cpu")
+    return held, logits  # under CP the positions this rank holds
+
+
+def whole_sequences(results) -> list[torch.Tensor]:
+    """Each TP rank's logits over whole rows: under CP its CP partners' chunks put in place (ranks in
+    order: CP coordinates outer to TP's, as the module's mesh lays them out)."""
+    parts = [r for r in results if r is not None]
+    length = max(int(held.max()) for held, _ in parts) + 1
+    cp = length // len(parts[0][0])
+    tp = len(parts) // cp
+    wholes = []
+    for t in range(tp):
+        logits = parts[0][1]
+        whole = torch.zeros(logits.shape[0], length, *logits.shape[2:])
+        for c in range(cp):
+            held, chunk = parts[c * tp + t]
+            whole[:, held] = chunk
+        wholes.append(whole)
+    return wholes
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -106,8 +127,40 @@ def test_conversations_train_a_qwen_vl_as_transformers_reads_them(family, data, 
             extra = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]} if pixels else {}
             types = (ids == theirs.config.image_token_id).int()
             expected.append(theirs(input_ids=ids[None], mm_token_type_ids=types[None], **extra).logits[0])
-    held = [r for r in run_ranks(llm_logits, 4, experiment, batch, timeout_s=300) if r is not None]
+    held = whole_sequences(run_ranks(llm_logits, 4, experiment, batch, timeout_s=300))
     errors = [((ours[r, :len(want) - 1] - want[:-1]).abs().max() / want.abs().max()).item()
               for ours in held for r, want in enumerate(expected)]
     print(f"\n{family}: {len(rows)} conversations, {images} images; logits rel. errors up to {max(errors):.1e}")
     assert len(held) == 2 and max(errors) <= 1e-5
+
+
+def test_packed_rows_under_cp_and_tp_equal_each_conversation_alone(data, tmp_path):
+    """qwen_vl_long_context: conversations packed into rows of 1024 positions, the LLM at cp2·tp2 (ranks 2-5)
+    beside the tower at dp2: each packed conversation's logits equal transformers' on it alone."""
+    model = write_tiny_vlm(tmp_path / "qwen3-vl", "qwen3-vl")
+    experiment = load_experiment("qwen_vl_long_context", [f"vision.init.hf={model}", f"train.data.path={data}",
+                                                          "train.data.per_rank=false"])
+    batch = load(experiment, build_graph(experiment), "train").batch(0)
+    theirs = MODELS["qwen3-vl"].from_pretrained(model, dtype=torch.float32).eval()
+    held = whole_sequences(run_ranks(llm_logits, 6, experiment, batch, timeout_s=400))
+    sizes = batch["image_grid"].prod(1)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    errors, documents = [], 0
+    with torch.no_grad():
+        for r in range(len(batch["tokens"])):
+            ids_of = batch["documents"][r]
+            for d in ids_of.unique().tolist()[:-1]:  # the last is the padding's
+                span = torch.nonzero(ids_of == d).flatten()
+                a, b = int(span[0]), int(span[-1]) + 1
+                mine = torch.nonzero((batch["image_row"] == r) & (batch["image_start"] >= a) & (batch["image_start"] < b)).flatten()
+                extra = {}
+                if len(mine):
+                    extra = {"pixel_values": torch.cat([batch["image_patches"][offsets[i]:offsets[i + 1]] for i in mine]),
+                             "image_grid_thw": batch["image_grid"][mine]}
+                ids = batch["tokens"][r, a:b]
+                types = (ids == theirs.config.image_token_id).int()
+                want = theirs(input_ids=ids[None], mm_token_type_ids=types[None], **extra).logits[0]
+                errors += [((ours[r, a:b] - want).abs().max() / want.abs().max()).item() for ours in held]
+                documents += 1
+    print(f"\npacked: {documents} conversations in {len(batch['tokens'])} rows; logits rel. errors up to {max(errors):.1e}")
+    assert len(held) == 2 and documents > 2 * len(batch["tokens"]) and max(errors) <= 1e-5

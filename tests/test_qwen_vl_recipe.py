@@ -88,3 +88,14 @@ def test_a_trained_qwen2_5_vl_exports_what_the_job_evaluated(tmp_path, data):
     print(f"\nheld-out loss: hetero reported {reported:.6f} at step {STEPS}; transformers on the export {after:.6f} "
           f"(on the source {before:.6f})")
     assert abs(after - reported) <= 1e-5 * reported and abs(before - after) > 0.01
+
+
+def test_the_variants_compose(tmp_path, data):
+    """The long-context variant (LLM cp2·tp2 on ranks 2-5, packed rows) and the frozen tower build from an
+    imported Qwen-VL (their training: tests/test_qwen_vl_data.py runs the long-context one's rows)."""
+    source = write_tiny_vlm(tmp_path / "tiny", "qwen2.5-vl")
+    common = [f"vision.init.hf={source}", f"train.data.path={data}"]
+    long = build_graph(load_experiment("qwen_vl_long_context", common))
+    assert (long.nodes["llm"].layout.cp, long.nodes["llm"].layout.tp, long.nodes["llm"].config.seq_len) == (2, 2, 1024)
+    frozen = load_experiment("qwen_vl_frozen_tower", common)
+    assert not frozen.modules["vision"].trainable and frozen.modules["llm"].trainable

@@ -12,6 +12,7 @@ from hetero.cli import main
 from hetero.config import CONFIG_DIR
 from hetero.data.example import write_llava, write_webdataset
 from hetero.interop.tiny_llava import write_tiny_llava
+from hetero.interop.tiny_vlm import write_tiny_vlm
 from layout_oracle import grid_coords, modules_of_yaml
 
 SHIPPED = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("*.yaml"))
@@ -46,11 +47,14 @@ def data(tmp_path_factory):
     conversations = write_llava(tmp_path_factory.mktemp("example"), 40, seed=0)
     captions = write_webdataset(tmp_path_factory.mktemp("captions"), 40, seed=0)[0].parent
     llava = write_tiny_llava(tmp_path_factory.mktemp("tiny_llava"))
+    qwen_vl = write_tiny_vlm(tmp_path_factory.mktemp("tiny_qwen_vl"))
 
     def overrides(config: str) -> list[str]:
         raw = yaml.safe_load((CONFIG_DIR / "experiment" / f"{config}.yaml").read_text())
         data = raw.get("train", {}).get("data", {})
         paths = {"llava": [f"train.data.path={conversations}"], "webdataset": [f"train.data.path={captions}"]}
+        if config.startswith("qwen_vl"):  # a whole Qwen-VL's recipe and its variants, on conversations
+            return paths["llava"] + [f"vision.init.hf={qwen_vl}"]
         imported = "llava" in config  # the recipe's stages start from a whole LLaVA
         return paths.get(data.get("format"), []) + ([f"vision.init.hf={llava}"] if imported else [])
 

@@ -11,15 +11,14 @@ import pytest
 import torch
 import transformers
 from PIL import Image
-from torch.distributed.tensor import DTensor
 
 from hetero.config import load_experiment
 from hetero.data.example import write_llava
 from hetero.data.splits import load
 from hetero.interop.tiny_vlm import IMAGE_TOKEN, write_tiny_vlm
-from hetero.parallel.context import zigzag_indices
 from hetero.testing.kinds import build_graph
 from hetero.testing.multiprocess import run_ranks
+from hetero.testing.qwen_vl import llm_logits as evaluated_logits
 
 ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 MODELS = {"qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration,
@@ -65,22 +64,7 @@ def reference_rows(model, data, index):
 def llm_logits(rank, world_size, experiment, batch):
     from hetero.testing.kinds import build_runtime
 
-    runtime = build_runtime(experiment)
-    if "llm" not in runtime.modules:
-        runtime.evaluate([batch])
-        return None
-    seen = []
-
-    def keep(_, __, out):
-        logits = out[0] if isinstance(out, tuple) else out
-        seen.append((logits.full_tensor() if isinstance(logits, DTensor) else logits).detach().clone())
-
-    hook = runtime.modules["llm"].model.register_forward_hook(keep)
-    runtime.evaluate([batch])
-    hook.remove()
-    logits, mesh = torch.cat(seen), runtime.modules["llm"].mesh  # the microbatches' rows in order
-    held = zigzag_indices(runtime.graph.nodes["llm"].config.seq_len, mesh.layout.cp, mesh.coord.cp, device="cpu")
-    return held, logits  # under CP the positions this rank holds
+    return evaluated_logits(build_runtime(experiment), batch)
 
 
 def whole_sequences(results) -> list[torch.Tensor]:

@@ -8,11 +8,11 @@ the LLM's first layers, q/k norms)."""
 import pytest
 import torch
 import transformers
-from torch.distributed.tensor import DTensor
 
 from hetero.data.mrope_positions import VisionSpan, mrope_positions
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
+from hetero.testing.qwen_vl import llm_logits
 
 SEQ = 40
 # a video's temporal patches 0.25 s apart at the tiny config's 4 tokens per second: a temporal step of 1, where
@@ -138,20 +138,8 @@ def graph(path):
 def imported_logits(rank, world_size, path, batch):
     from hetero.testing.kinds import build_runtime
 
-    runtime = build_runtime(graph(path))
-    if "llm" not in runtime.modules:
-        runtime.evaluate([batch])
-        return None
-    seen = []
-
-    def keep(_, __, out):
-        logits = out[0] if isinstance(out, tuple) else out
-        seen.append((logits.full_tensor() if isinstance(logits, DTensor) else logits).detach().clone())
-
-    hook = runtime.modules["llm"].model.register_forward_hook(keep)
-    runtime.evaluate([batch])
-    hook.remove()
-    return seen[0]
+    logits = llm_logits(build_runtime(graph(path)), batch)
+    return None if logits is None else logits[1]
 
 
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])

@@ -14,12 +14,12 @@ import transformers
 
 from hetero.cli import main
 from hetero.config import load_experiment
-from hetero.data.digits import IGNORE_INDEX
 from hetero.data.example import write_llava
 from hetero.data.splits import load
 from hetero.interop.hf_checkpoint import HFCheckpoint
 from hetero.interop.tiny_vlm import write_tiny_vlm
 from hetero.testing.kinds import build_graph
+from hetero.testing.qwen_vl import transformers_loss
 
 STEPS = 4
 MODELS = {"qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration,
@@ -38,24 +38,10 @@ def train(tmp_path, *overrides):
     return run / "checkpoints" / f"step_{STEPS:06d}", heldout["loss"]
 
 
-def transformers_loss(path, family, batch) -> float:
-    """The loss of the export on ``batch`` (hetero's rows): per row its tokens and its images' patches."""
-    model = MODELS[family].from_pretrained(path, dtype=torch.float32).eval()
-    sizes = batch["image_grid"].prod(1)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
-    total, count = 0.0, int((batch["labels"] != IGNORE_INDEX).sum())
+def export_loss(path, family, batch) -> float:
+    """The loss of the export on ``batch`` (hetero's rows)."""
     with torch.no_grad():
-        for r in range(len(batch["tokens"])):
-            mine = torch.nonzero(batch["image_row"] == r).flatten()
-            extra = {}
-            if len(mine):
-                extra = {"pixel_values": torch.cat([batch["image_patches"][offsets[i]:offsets[i + 1]] for i in mine]),
-                         "image_grid_thw": batch["image_grid"][mine]}
-            ids = batch["tokens"][r]
-            types = (ids == model.config.image_token_id).int()
-            logits = model(input_ids=ids[None], mm_token_type_ids=types[None], **extra).logits[0]
-            total += torch.nn.functional.cross_entropy(logits, batch["labels"][r], reduction="sum").item()
-    return total / count
+        return transformers_loss(MODELS[family].from_pretrained(path, dtype=torch.float32).eval(), batch).item()
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +70,7 @@ def test_a_trained_qwen2_5_vl_exports_what_the_job_evaluated(tmp_path, data):
     experiment = load_experiment("qwen_vl_sft", overrides + ["train.data.per_rank=false"])
     heldout = load(experiment, build_graph(experiment), "heldout")
     batch = next(b for b in heldout.ordered_batches(None) if len(b["tokens"]) == heldout.global_batch_size)
-    before, after = transformers_loss(source, "qwen2.5-vl", batch), transformers_loss(tmp_path / "out", "qwen2.5-vl", batch)
+    before, after = export_loss(source, "qwen2.5-vl", batch), export_loss(tmp_path / "out", "qwen2.5-vl", batch)
     print(f"\nheld-out loss: hetero reported {reported:.6f} at step {STEPS}; transformers on the export {after:.6f} "
           f"(on the source {before:.6f})")
     assert abs(after - reported) <= 1e-5 * reported and abs(before - after) > 0.01

@@ -8,7 +8,6 @@ import torch
 import transformers
 
 from hetero.config import load_experiment
-from hetero.data.digits import IGNORE_INDEX
 from hetero.data.example import write_llava
 from hetero.data.splits import load
 from hetero.models.gpt.hf import gpt_name
@@ -17,6 +16,7 @@ from hetero.interop.tiny_vlm import write_tiny_vlm
 from hetero.testing.kinds import build_graph, build_runtime
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_parity, record_run
+from hetero.testing.qwen_vl import transformers_loss
 
 STEPS, LR, BETAS, EPS = 3, 2e-3, (0.9, 0.95), 1e-8
 MODELS = {"qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration,
@@ -39,20 +39,7 @@ def transformers_run(path, family, batches, vision) -> Record:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
     record = Record()
     for step, batch in enumerate(batches):
-        sizes = batch["image_grid"].prod(1)
-        offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
-        count, total = int((batch["labels"] != IGNORE_INDEX).sum()), 0
-        for r in range(len(batch["tokens"])):
-            mine = torch.nonzero(batch["image_row"] == r).flatten()
-            extra = {}
-            if len(mine):
-                extra = {"pixel_values": torch.cat([batch["image_patches"][offsets[i]:offsets[i + 1]] for i in mine]),
-                         "image_grid_thw": batch["image_grid"][mine]}
-            ids = batch["tokens"][r]
-            types = (ids == model.config.image_token_id).int()
-            logits = model(input_ids=ids[None], mm_token_type_ids=types[None], **extra).logits[0]
-            total = total + torch.nn.functional.cross_entropy(logits, batch["labels"][r], reduction="sum")
-        loss = total / count
+        loss = transformers_loss(model, batch)
         loss.backward()
         record.losses.append([loss.item()])
         grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}

@@ -320,7 +320,7 @@ class Shaper:
         tokens = torch.full((len(held_rows), length), self.pad_id, dtype=torch.long)
         labels = torch.full((len(held_rows), length), IGNORE_INDEX, dtype=torch.long)
         documents = torch.zeros(len(held_rows), length, dtype=torch.long)
-        rope = torch.zeros(len(held_rows), 3, length, dtype=torch.long) if self.mrope else None
+        rope = torch.zeros(len(held_rows), 3, length, dtype=torch.long, device="cpu") if self.mrope else None
         for h, r in enumerate(held_rows.tolist()):
             if rope is not None:
                 rope[h] = self._rope_positions(rows[r], packed)
@@ -361,7 +361,7 @@ class Shaper:
         config = self.vision.config
         if config.qwen:
             patches = [qwen_patches(i, config.patch_size, config.merge, config.temporal_patch)[0] for i in images]
-            return {"image_patches": torch.cat(patches) if patches else torch.zeros(0, config.patch_values)}
+            return {"image_patches": torch.cat(patches) if patches else torch.zeros(0, config.patch_values, device="cpu")}
         if not config.max_patches:
             size = config.image_size
             return {"image_pixels": torch.stack(images) if images else torch.zeros(0, config.channels, size, size)}

@@ -33,12 +33,19 @@ def command(pid: int) -> str:
         return ""
 
 
+def blocked_sigchld() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+
+
 def test_a_killed_data_worker_ends_every_rank_naming_it(tmp_path):
+    """The job starts with SIGCHLD blocked, as the CI runner starts it: the mask outlives exec, and a rank
+    that kept it would never run torch's handler for its dead worker."""
     data = write_llava(tmp_path / "llava", 300, seed=0)
     job = subprocess.Popen([sys.executable, "-m", "hetero.cli", "train", "own_data_vlm", f"train.data.path={data}",
                             "train.steps=1000", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
                             "train.wandb=disabled", "train.data.workers=1", f"train.run_dir={tmp_path / 'runs'}"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                           preexec_fn=blocked_sigchld)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:  # a rank's data worker: a child of a rank, under torchrun's agent
         agents = [p for p in children(job.pid) if "torch.distributed.run" in command(p)]

@@ -10,7 +10,7 @@
   named with that error; otherwise the peers whose heartbeats stopped without their marking an exit are
   named as the ones that died (or hang);
 - a rank that the launcher stops (torchrun sends SIGTERM to the others when one rank exits) does the same
-  before it exits;
+  before it exits (SIGTERM and SIGCHLD are unblocked, whatever mask the job inherited);
 - a watchdog thread ends the rank when one step (``guard.step``) runs longer than ``timeout_s`` (a peer
   that hangs without dying), naming the peers whose heartbeats stopped.
 
@@ -81,6 +81,10 @@ class FaultGuard:
         # SIGTERM is handled on a thread: Python runs signal handlers only on the main thread, between
         # bytecodes, so a rank blocked in a collective would not react until the collective returns. The
         # interpreter's C handler writes the signal number to the wakeup socket at once.
+        # A blocked signal mask outlives fork and exec: a job started by a process that blocks SIGCHLD or
+        # SIGTERM (a CI runner, a supervisor) would never see the launcher's stop nor torch's data-worker
+        # watch (its SIGCHLD handler), and would wait out the DataLoader's timeout after a worker died.
+        previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGCHLD})
         wake_read, wake_write = socket.socketpair()
         wake_write.setblocking(False)
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -97,6 +101,7 @@ class FaultGuard:
             self._stop.set()
             signal.set_wakeup_fd(previous_fd)
             signal.signal(signal.SIGTERM, previous)
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
             wake_write.close()
             # Joined, not left as daemons: a daemon thread still inside a store call when the interpreter
             # finalizes aborts the process ("terminate called without an active exception").

@@ -79,6 +79,7 @@ BENCHMARKS = {
     "overhead": "hetero.bench.overhead",
     "packing": "hetero.bench.packing",
     "plan-accuracy": "hetero.bench.plan_accuracy",
+    "qwen-tower": "hetero.bench.qwen_tower",
     "row-bytes": "hetero.bench.row_bytes",
     "scale": "hetero.bench.scale",
     "schedules": "hetero.bench.schedules",

@@ -1,14 +1,16 @@
 """hetero's Qwen2.5-VL and Qwen3-VL vision towers against transformers' on the same weights, in one process
 (fp32): merged tokens, DeepStack taps and every weight's gradient, for a packed set of images of several
-sizes and aspect ratios and a video."""
+sizes and aspect ratios and a video; the cost model's count of its FLOPs."""
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from hetero.models.vit.config import ViTConfig
+from hetero.models.vit.flops import qwen_tower_forward_flops
 from hetero.models.vit.qwen_tower import QwenVisionTower
 from hetero.models.vit.qwen_tower_hf import tower_state
 
@@ -74,3 +76,15 @@ def test_a_qwen_tower_refuses_what_it_does_not_run():
         "vision.model.tower=qwen2.5-vl has no class_token: set vision.model.class_token=false",
         "vision.model.tower=qwen2.5-vl has no projector: set vision.model.projector=false",
         "vision.model.tower=qwen2.5-vl has no feature_norm: set vision.model.feature_norm=false"]
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("grids", [[(1, 8, 12)], [(1, 16, 10)], GRIDS], ids=["8x12", "16x10", "mixed with a video"])
+def test_the_cost_models_tower_flops_equal_a_count_of_its_matmuls(family, grids):
+    """``qwen_tower_forward_flops`` against torch's FlopCounterMode over the tower's forward: windows cut short
+    at the edges, full-attention blocks, SwiGLU, DeepStack mergers."""
+    _, ours = towers(family)
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 2 * 2)
+    with FlopCounterMode(display=False) as counter:
+        ours(patches, grids)
+    assert counter.get_total_flops() == qwen_tower_forward_flops(ours.config, grids)

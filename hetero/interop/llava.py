@@ -9,8 +9,9 @@ the hidden states of ``vision_feature_layer`` (no final LayerNorm, as LLaVA take
 token under the ``full`` strategy and without it under ``default``. The LLM's tokenizer, chat template
 and image token, and the tower's image processor, sit in the same directory.
 
-Refused by name (``REFUSED``): LLaVA-NeXT's anyres tiling, LLaVA-OneVision, Qwen2-VL's tower, several
-feature layers at once, and any top-level field not modelled. Qwen2.5-VL and Qwen3-VL are
+Refused by name (``REFUSED``, each naming the piece hetero lacks): LLaVA-NeXT's anyres tiling,
+LLaVA-OneVision, Qwen2-VL's tower, Qwen3-VL-MoE, Gemma 3, PaliGemma, InternVL, Idefics3, SmolVLM, Llama 3.2
+Vision and Llama 4; several feature layers at once, and any top-level field not modelled. Qwen2.5-VL and Qwen3-VL are
 ``hetero.interop.qwen_vl``'s.
 """
 
@@ -29,6 +30,20 @@ REFUSED = {
     "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision's anyres tiling is not modelled",
     "Qwen2VLForConditionalGeneration": "Qwen2-VL's vision tower (LayerNorm, quick-GELU, no windows) is not modelled; "
                                        "Qwen2.5-VL and Qwen3-VL are (hetero.interop.qwen_vl)",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE's language model is a Qwen3-MoE, whose expert weights "
+                                          "hetero does not import yet; the dense Qwen3-VL imports",
+    "Gemma3ForConditionalGeneration": "Gemma 3 is not modelled: its projector average-pools the SigLIP patches to "
+                                      "mm_tokens_per_image, and its LM interleaves sliding-window and global layers "
+                                      "and attends bidirectionally within each image's tokens",
+    "PaliGemmaForConditionalGeneration": "PaliGemma's prefix-LM attention (bidirectional over the image and the "
+                                         "prompt) and its Gemma LM are not modelled",
+    "InternVLForConditionalGeneration": "InternVL's pixel-shuffle projector (downsample_ratio) and dynamic tiling "
+                                        "are not modelled",
+    "Idefics3ForConditionalGeneration": "Idefics3's pixel-shuffle connector and image splitting are not modelled",
+    "SmolVLMForConditionalGeneration": "SmolVLM's pixel-shuffle connector and image splitting are not modelled",
+    "MllamaForConditionalGeneration": "Llama 3.2 Vision's cross-attention layers are not modelled (hetero places "
+                                      "image tokens in the LM's sequence)",
+    "Llama4ForConditionalGeneration": "Llama 4's MoE language model and pixel-shuffle projector are not modelled",
 }
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM"}

@@ -2,7 +2,11 @@
 weights renamed.
 
 Architectures: ``LlamaForCausalLM`` (Llama 2, 3.x), ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (biases
-on q, k, v), ``Qwen3ForCausalLM`` (RMSNorm of q and k per head, its own head_dim). GQA, RoPE theta and
+on q, k, v), ``Qwen3ForCausalLM`` (RMSNorm of q and k per head, its own head_dim), and the mixtures of
+experts ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM`` (every layer's MLP top-k of softmax-routed SwiGLU
+experts, renormalized as ``norm_topk_prob`` says, always for Mixtral; the experts in either key layout,
+``hf_experts``). Their ``router_aux_loss_coef`` is not mapped: hetero's ``balance_loss`` is a per-row
+loss that transformers' pooled one is not, and stays as the module's YAML sets it. GQA, RoPE theta and
 the ``llama3`` and ``yarn`` scalings, tied embeddings and the RMSNorm eps carry over. A field hetero does
 not model, or a value it does not model (another activation, sliding-window attention that the
 sequence reaches, biases on the output projection), is refused by name. Fields that do not change what
@@ -22,16 +26,17 @@ from hetero.errors import ConfigError
 from hetero.interop.hf_checkpoint import HFCheckpoint, load_into, renamed
 from hetero.interop.qwen_vl import DEEPSTACK
 from hetero.models.gpt.config import GPTConfig, RopeScaling
+from hetero.models.gpt.hf_experts import StackedExperts
 from hetero.models.gpt.model import GPT
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 
 BOOKKEEPING = {
     "architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache",
     "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "output_hidden_states",
     "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
-    "problem_type", "tokenizer_class", "max_window_layers",
+    "problem_type", "tokenizer_class", "max_window_layers", "output_router_logits", "router_aux_loss_coef",
 }
 
 TRAINED_LENGTH = "hetero_seq_len"  # the length a GPT hetero trained from scratch was trained at (``hf_config``)
@@ -41,6 +46,8 @@ MODELLED = {
     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
     "tie_word_embeddings", "rope_theta", "rope_parameters", "rope_scaling", "attention_bias", "attention_dropout",
     "mlp_bias", "pretraining_tp", "sliding_window", "use_sliding_window", "layer_types", TRAINED_LENGTH, DEEPSTACK,
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise",
 }
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
@@ -81,7 +88,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
     window = hf.get("sliding_window")
     windowed = hf.get("use_sliding_window")
     if windowed is None:  # Mistral's configs have no switch: its window applies whenever set
-        windowed = family == "mistral"
+        windowed = family in ("mistral", "mixtral")
     if windowed and window is not None and window < length:
         refuse("sliding_window", window, f"sliding-window attention; train at seq_len <= {window}")
     layer_types = hf.get("layer_types") or []
@@ -89,6 +96,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         refuse("layer_types", sorted(set(layer_types)), "every layer attends to the full sequence in hetero")
     theta, scaling = _rope(hf, where)
     sections, interleaved = _mrope(hf)
+    experts = _experts(hf, family, refuse) if family in ("qwen3_moe", "mixtral") else {}
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     return GPTConfig(
@@ -99,9 +107,24 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         head_dim=head_dim if head_dim and head_dim != hf["hidden_size"] // heads else None,
         qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3", rope_scaling=scaling, mrope_sections=sections, mrope_interleaved=interleaved,
-        deepstack_layers=list(hf.get(DEEPSTACK, [])),
+        qk_norm=family in ("qwen3", "qwen3_moe"), rope_scaling=scaling, mrope_sections=sections,
+        mrope_interleaved=interleaved, deepstack_layers=list(hf.get(DEEPSTACK, [])), **experts,
     )
+
+
+def _experts(hf: dict, family: str, refuse) -> dict:
+    """The GPT config's expert fields of a Qwen3-MoE or Mixtral config."""
+    if hf.get("router_jitter_noise", 0.0):
+        refuse("router_jitter_noise", hf["router_jitter_noise"], "hetero's router adds no noise")
+    if family == "mixtral":
+        return dict(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                    expert_ffn_size=hf["intermediate_size"], normalize_gates=True)
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        refuse("mlp_only_layers" if hf.get("mlp_only_layers") else "decoder_sparse_step",
+               hf.get("mlp_only_layers") or hf["decoder_sparse_step"],
+               "every layer's MLP is a mixture of experts in hetero; a pattern of dense layers is not modelled yet")
+    return dict(num_experts=hf.get("num_experts") or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                expert_ffn_size=hf["moe_intermediate_size"], normalize_gates=bool(hf.get("norm_topk_prob", False)))
 
 
 def _rope(hf: dict, where: str) -> tuple[float, RopeScaling]:
@@ -145,7 +168,9 @@ _IN_LAYER = {
     "self_attn.o_proj": "attention.wo", "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm",
     "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
     "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "feed_forward.router", "mlp.experts": "feed_forward.experts",  # experts: ``hf_experts``' stacks
 }
+_MIXTRAL = {"block_sparse_moe.gate": "feed_forward.router", "block_sparse_moe.experts": "feed_forward.experts"}
 _TOP = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output"}
 
 
@@ -154,18 +179,24 @@ def gpt_name(hf_name: str) -> str:
     module, _, leaf = hf_name.rpartition(".")
     if match := _LAYER.fullmatch(module):
         layer, inner = match.groups()
-        if inner in _IN_LAYER:
-            return f"layers.{layer}.{_IN_LAYER[inner]}.{leaf}"
+        if inner in _IN_LAYER or inner in _MIXTRAL:
+            return f"layers.{layer}.{_IN_LAYER.get(inner) or _MIXTRAL[inner]}.{leaf}"
     elif module in _TOP:
         return f"{_TOP[module]}.{leaf}"
     raise ConfigError(f"HF weight {hf_name!r} has no place in hetero's GPT")
+
+
+def text_weights(checkpoint, config: GPTConfig, module: str = "llm"):
+    """The tensors a GPT of ``config`` reads from ``checkpoint`` (a decoder, or a VLM's language model part):
+    itself, with its experts stacked as hetero holds them where it has experts (``hf_experts``)."""
+    return StackedExperts(checkpoint, config.num_experts, module) if config.moe else checkpoint
 
 
 def check_weights(checkpoint: HFCheckpoint, config: GPTConfig, module: str = "llm") -> None:
     """Refuse a checkpoint holding a weight the GPT has no place for (an output projection's bias, a
     layer past ``num_layers``), or lacking one it needs: nothing is silently left out."""
     where = f"{module}.init.hf ({checkpoint.path})"
-    have = {gpt_name(name) for name in checkpoint.names()}
+    have = {gpt_name(name) for name in text_weights(checkpoint, config, module).names()}
     names = weight_names(config)
     need = {name for name in gpt_weights(config) if names(name) is not None}
     if extra := sorted(have - need - {"output.weight"}):
@@ -180,10 +211,15 @@ def gpt_weights(config: GPTConfig) -> list[str]:
         return list(GPT(config).state_dict())
 
 
-def weight_names(config: GPTConfig):
-    """HF's name of each weight of a GPT of ``config``, None for an output layer tied to the embedding."""
+def weight_names(config: GPTConfig, moe_block: str = "mlp"):
+    """HF's name of each weight of a GPT of ``config``, None for an output layer tied to the embedding;
+    ``moe_block``: what the checkpoint calls a layer's mixture of experts (Mixtral's hub files:
+    ``block_sparse_moe``)."""
     def name_of(name: str) -> str | None:
-        return None if config.tie_embeddings and name == "output.weight" else hf_name(name)
+        if config.tie_embeddings and name == "output.weight":
+            return None
+        theirs = hf_name(name)
+        return theirs.replace(".mlp.", f".{moe_block}.") if ".feed_forward." in name and config.moe else theirs
 
     return name_of
 
@@ -253,9 +289,12 @@ def load_gpt(model, path: str | Path) -> int:
     (a decoder, or a whole LLaVA's LM), each rank reading only the slices it holds; the bytes read."""
     from hetero.interop.parts import open_part
 
+    part = open_part(path, "text")
+    source = text_weights(part, model.config)
+    names = weight_names(model.config, getattr(source, "block", "mlp"))
     if hasattr(model, "weights_state"):  # the megatron backend: read into its native view, then back
         view = model.weights_state()
-        read = load_into(view, open_part(path, "text"), weight_names(model.config))
+        read = load_into(view, source, names)
         model.load_weights_state(view)
         return read
-    return load_into(model.state_dict(keep_vars=True), open_part(path, "text"), weight_names(model.config))
+    return load_into(model.state_dict(keep_vars=True), source, names)

@@ -39,6 +39,8 @@ from hetero.models.gpt.flops import gpt_forward_flops_per_token
 from hetero.models.gpt.megatron import MegatronGPT, to_megatron
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.moe import routed_layers
+
+ROUTER_TRAINING = ("balance_loss", "router_z_loss", "capacity_factor")  # set on an imported MoE in YAML
 from hetero.models.gpt.plan import parallelize_gpt
 from hetero.kinds.batch_rows import take_rows
 from hetero.kinds.columns import INTEGER, LONG, Column, Dim, column_errors
@@ -100,9 +102,10 @@ class GPTKind(Kind):
         from hetero.models.gpt.hf import check_weights, gpt_config
 
         checkpoint = open_part(path, "text")
+        training = {name: fields[name] for name in ROUTER_TRAINING if name in fields}  # the module's, not the checkpoint's
         config = replace(gpt_config(checkpoint.config, fields.get("seq_len"), module),
-                         backend=fields.get("backend", "native"))
-        self.check_given(module, config, fields, {"seq_len", "backend"})
+                         backend=fields.get("backend", "native"), **training)
+        self.check_given(module, config, fields, {"seq_len", "backend", *ROUTER_TRAINING})
         check_weights(checkpoint, config, module)
         return config
 

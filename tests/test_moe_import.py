@@ -1,0 +1,114 @@
+"""Hugging Face mixtures of experts imported into hetero's GPT (``hetero/models/gpt/hf.py``,
+``hf_experts.py``): tiny random Qwen3-MoE and Mixtral models built offline with ``transformers``, every
+weight perturbed, saved in the hub's per-expert layout (``save_pretrained``) and in transformers 5's fused
+one (its in-memory state as is); logits equal to transformers' within 1e-5 (fp32) in one process and under
+ep2 and ep2·tp2, each EP rank reading only its own experts' bytes."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from hetero.errors import ConfigError
+from hetero.interop.hf_checkpoint import HFCheckpoint
+from hetero.models.gpt.hf import gpt_config, load_gpt
+from hetero.models.gpt.model import GPT
+
+SIZES = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, num_experts_per_tok=2)
+CASES = {
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4, head_dim=16)),
+    "qwen3-moe renormalized": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                               dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4, head_dim=16,
+                                    norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=24, num_local_experts=4)),
+}
+
+
+def saved(path, case: str, fused: bool = False):
+    config_class, model_class, fields = CASES[case]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**(SIZES | fields))).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    model.save_pretrained(path)
+    if fused:  # transformers 5's in-memory layout: gate_up_proj (E, 2·ffn, hidden), down_proj (E, hidden, ffn)
+        state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+        assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+        (path / "model.safetensors").unlink()
+        save_file(state, path / "model.safetensors")
+    return model
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert files", "fused files"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_imported_moe_gives_transformers_logits(tmp_path, case, fused):
+    reference = saved(tmp_path, case, fused)
+    model = GPT(gpt_config(HFCheckpoint(tmp_path).config))
+    load_gpt(model, tmp_path)
+    tokens = torch.randint(0, SIZES["vocab_size"], (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        got = model.eval()(tokens)
+    error = ((got - expected).abs().max() / expected.abs().max()).item()
+    print(f"\n{case}, {'fused' if fused else 'per-expert'}: logits relative error {error:.1e}")
+    assert error < 1e-5
+
+
+@pytest.mark.parametrize("case,layout", [("qwen3-moe renormalized", {"ep": 2, "dp": 2}),
+                                         ("mixtral", {"ep": 2, "tp": 2, "dp": 2})], ids=["qwen3-moe ep2", "mixtral ep2·tp2"])
+def test_an_imported_moe_under_expert_parallelism_gives_transformers_logits_reading_its_experts(tmp_path, case, layout):
+    """Every rank's loss and logits equal transformers'; each rank reads the whole of every other weight it
+    holds (its TP shard of them under tp2) and exactly its EP group's half of the experts' bytes."""
+    from test_hf_import import evaluated
+
+    from hetero.testing.multiprocess import run_ranks
+
+    reference = saved(tmp_path, case)
+    tokens = torch.randint(0, SIZES["vocab_size"], (4, 40), generator=torch.Generator().manual_seed(2))
+    labels = torch.cat([tokens[:, 1:], torch.full((4, 1), -100)], dim=1)
+    with torch.no_grad():
+        logits = reference(tokens).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
+    world = layout.get("tp", 1) * layout["dp"]
+    results = run_ranks(evaluated, world, tmp_path, layout, {"tokens": tokens, "labels": labels})
+    checkpoint = HFCheckpoint(tmp_path)
+    sizes = {name: t.numel() * t.element_size() for name, t in checkpoint.tensors(checkpoint.names())}
+    experts = sum(size for name, size in sizes.items() if ".experts." in name)
+    errors = [((got - logits[:, where]).abs().max() / logits.abs().max()).item() for *_, (where, got) in results]
+    print(f"\n{case} {layout}: loss rel. errors " + ", ".join(f"{abs(r[0] - expected) / expected:.1e}" for r in results)
+          + "; logits rel. errors " + ", ".join(f"{e:.1e}" for e in errors)
+          + f"; bytes read per rank {[r[1] for r in results]} of {sum(sizes.values())} (experts {experts})")
+    assert all(error < 1e-5 for error in errors), errors
+    for loss, read, _ in results:
+        assert abs(loss - expected) / expected < 1e-5, (loss, expected)
+    if layout.get("tp", 1) == 1:  # TP splits the others by rows or columns, norms whole: not a round share
+        assert all(read == sum(sizes.values()) - experts // 2 for _, read, _ in results)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"router_jitter_noise": 0.1}, r"router_jitter_noise=0\.1 is not modelled \(hetero's router adds no noise\)"),
+    ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] is not modelled \(every layer's MLP is a mixture"),
+    ({"decoder_sparse_step": 2}, r"decoder_sparse_step=2 is not modelled"),
+])
+def test_a_routing_hetero_does_not_model_is_refused_by_name(changes, message):
+    fields = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **SIZES,
+              "intermediate_size": 48, "moe_intermediate_size": 24, "num_experts": 4, "hidden_act": "silu"}
+    with pytest.raises(ConfigError, match=message):
+        gpt_config(json.loads(json.dumps(fields | changes)))
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):
+    from hetero.models import default_registry
+
+    saved(tmp_path, "mixtral")
+    checkpoint = HFCheckpoint(tmp_path)
+    state = {name: tensor for name, tensor in checkpoint.tensors(checkpoint.names()) if ".experts.3." not in name}
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"block_sparse_moe\.experts holds experts 0, 1, 2; the config's 4 "
+                                          r"experts are 0\.\.3"):
+        default_registry()["gpt"].pretrained_config("llm", str(tmp_path), {})

@@ -236,10 +236,11 @@ HF_CASES = {  # test_hf_import's checkpoints
 }
 
 
-def imported(rank, world_size, source, tokens, out):
-    """``llm.init.hf`` into the megatron backend at tp2: its logits on ``tokens`` (every rank, whole
-    vocabulary) and, untrained, ``export_hf`` to ``out``."""
-    block = module("gpt", {"seq_len": tokens.shape[1], "backend": "megatron"}, {"tp": 2}, init={"hf": str(source)})
+def imported(rank, world_size, source, tokens, out, layout=None):
+    """``llm.init.hf`` into the megatron backend at ``layout`` (tp2): its logits on ``tokens`` (every rank,
+    whole vocabulary) and, untrained, ``export_hf`` to ``out``."""
+    block = module("gpt", {"seq_len": tokens.shape[1], "backend": "megatron"}, layout or {"tp": 2},
+                   init={"hf": str(source)})
     with megatron_on_cpu():
         runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=len(tokens), microbatches=1))
         model = runtime.modules["llm"].model
@@ -258,6 +259,25 @@ def test_a_hugging_face_checkpoint_imports_into_the_megatron_backend_and_exports
     for logits in run_ranks(imported, 2, tmp_path / "source", tokens, tmp_path / "out", timeout_s=300):
         error = ((logits - expected).abs().max() / expected.abs().max()).item()
         print(f"\n{case}: logits relative error {error:.1e}")
+        assert error < 1e-5
+    source, exported = HFCheckpoint(tmp_path / "source"), HFCheckpoint(tmp_path / "out")
+    assert exported.config == source.config and sorted(exported.names()) == sorted(source.names())
+    for name in source.names():
+        assert torch.equal(exported.tensor(name), source.tensor(name)), name
+
+
+@pytest.mark.parametrize("case", ["qwen3-moe renormalized", "mixtral"])
+def test_a_hugging_face_moe_imports_into_megatron_experts_at_ep2_and_exports_bit_for_bit(tmp_path, case):
+    import test_moe_import as moe_import
+
+    reference = moe_import.saved(tmp_path / "source", case)
+    tokens = torch.randint(0, moe_import.SIZES["vocab_size"], (4, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    for logits in run_ranks(imported, 2, tmp_path / "source", tokens, tmp_path / "out", {"dp": 2, "ep": 2},
+                            timeout_s=300):
+        error = ((logits - expected).abs().max() / expected.abs().max()).item()
+        print(f"\n{case} at ep2: logits relative error {error:.1e}")
         assert error < 1e-5
     source, exported = HFCheckpoint(tmp_path / "source"), HFCheckpoint(tmp_path / "out")
     assert exported.config == source.config and sorted(exported.names()) == sorted(source.names())

@@ -2,7 +2,9 @@
 ``hf_experts.py``): tiny random Qwen3-MoE and Mixtral models built offline with ``transformers``, every
 weight perturbed, saved in the hub's per-expert layout (``save_pretrained``) and in transformers 5's fused
 one (its in-memory state as is); logits equal to transformers' within 1e-5 (fp32) in one process and under
-ep2 and ep2·tp2, each EP rank reading only its own experts' bytes."""
+ep2 and ep2·tp2, each EP rank reading only its own experts' bytes. Exported back bit for bit in the
+source's layout; a hetero MoE from scratch exported as Qwen3-MoE or Mixtral by its routing (the megatron
+backend's import and export: ``test_megatron_backend``)."""
 
 import json
 
@@ -112,3 +114,64 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):
     with pytest.raises(ConfigError, match=r"block_sparse_moe\.experts holds experts 0, 1, 2; the config's 4 "
                                           r"experts are 0\.\.3"):
         default_registry()["gpt"].pretrained_config("llm", str(tmp_path), {})
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert files", "fused files"])
+@pytest.mark.parametrize("case", ["qwen3-moe renormalized", "mixtral"])
+def test_an_imported_moe_exports_bit_for_bit_in_its_sources_layout(tmp_path, case, fused):
+    from hetero.interop.hf_export import hf_tensors
+    from hetero.models import default_registry
+
+    saved(tmp_path, case, fused)
+    source = HFCheckpoint(tmp_path)
+    model = GPT(gpt_config(source.config))
+    load_gpt(model, tmp_path)
+    export = default_registry()["gpt"].hf_export(model.config, source)
+    written = hf_tensors(export, source, model.state_dict().items())
+    assert export.config == source.config
+    assert sorted(written) == sorted(source.names())
+    for name, tensor in source.tensors(source.names()):
+        assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
+
+
+@pytest.mark.parametrize("family,fields", [("Qwen3MoeForCausalLM", dict(qk_norm=True, normalize_gates=False)),
+                                           ("MixtralForCausalLM", dict(qk_norm=False, normalize_gates=True))])
+def test_a_moe_trained_from_scratch_exports_as_the_family_of_its_routing(tmp_path, family, fields):
+    """A hetero GPT with experts (random weights) written as Qwen3-MoE or Mixtral: transformers loads it
+    and its logits equal hetero's."""
+    from hetero.interop.hf_export import finish, hf_tensors, save_tensors
+    from hetero.models import default_registry
+    from hetero.models.gpt.config import GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
+                       seq_len=40, num_experts=4, top_k=2, expert_ffn_size=24, **fields)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    export = default_registry()["gpt"].hf_export(config, None)
+    save_tensors(hf_tensors(export, None, model.state_dict().items()), str(tmp_path / "model-00001-of-00001.safetensors"))
+    finish(tmp_path, ["model-00001-of-00001.safetensors"], export.config, None)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == family
+    tokens = torch.randint(0, 96, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = theirs(tokens).logits, model(tokens)
+    error = ((got - expected).abs().max() / expected.abs().max()).item()
+    print(f"\n{family}: exported logits relative error {error:.1e}")
+    assert error < 1e-5
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(gate="sigmoid", qk_norm=True), r"model\.gate='sigmoid': .* both families route by softmax"),
+    (dict(shared_experts=1, qk_norm=True), r"model\.shared_experts=1: .* neither family has shared experts"),
+    (dict(qk_norm=False, normalize_gates=False), r"model\.normalize_gates=false without model\.qk_norm"),
+])
+def test_a_moe_no_family_matches_is_refused_by_name(fields, message):
+    from hetero.models import default_registry
+    from hetero.models.gpt.config import GPTConfig
+
+    config = GPTConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, seq_len=40, num_experts=4, **fields)
+    with pytest.raises(ConfigError, match=message):
+        default_registry()["gpt"].hf_export(config, None)

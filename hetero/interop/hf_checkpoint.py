@@ -100,12 +100,15 @@ class HFExport:
     the model's weights (``name_of``, None leaves one out, e.g. an output layer tied to the embedding); for
     a model imported from ``source``, that checkpoint's name of each exported weight (its dtype is kept)
     and the tensors copied from it unchanged (``carried``: export name -> source name), those the model
-    passes over but the HF model needs."""
+    passes over but the HF model needs; ``assemble``: the tensors the file holds, from those named by
+    ``name_of`` (a mixture of experts' stacked weights become each expert's, or transformers' fused ones),
+    applied to each pipeline stage's tensors."""
 
     config: dict
     name_of: Callable[[str], str | None]
     source_name: Callable[[str], str] = lambda name: name
     carried: dict[str, str] = field(default_factory=dict)
+    assemble: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda tensors: tensors
 
 
 def load_into(tensors: Mapping[str, torch.Tensor], checkpoint: HFCheckpoint, hf_name) -> int:

@@ -125,12 +125,9 @@ def convert_checkpoint(checkpoint: str | Path, module: str, path: str | Path, re
 def hf_tensors(export: HFExport, source: HFCheckpoint | None,
                 weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The whole ``weights`` (name, tensor) the export writes, by HF name, on the CPU in their source's dtype."""
-    tensors = {}
-    for name, tensor in weights:
-        if (hf := export.name_of(name)) is not None:
-            dtype = source.dtype(export.source_name(hf)) if source is not None else tensor.dtype
-            tensors[hf] = tensor.detach().to("cpu", dtype)
-    return tensors
+    named = {hf: tensor.detach().to("cpu") for name, tensor in weights if (hf := export.name_of(name)) is not None}
+    return {hf: tensor.to(source.dtype(export.source_name(hf))) if source is not None else tensor
+            for hf, tensor in export.assemble(named).items()}
 
 
 def finish(path: Path, files: list[str], config: dict, source: HFCheckpoint | None) -> None:

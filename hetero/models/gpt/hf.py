@@ -5,7 +5,8 @@ Architectures: ``LlamaForCausalLM`` (Llama 2, 3.x), ``MistralForCausalLM``, ``Qw
 on q, k, v), ``Qwen3ForCausalLM`` (RMSNorm of q and k per head, its own head_dim), and the mixtures of
 experts ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM`` (every layer's MLP top-k of softmax-routed SwiGLU
 experts, renormalized as ``norm_topk_prob`` says, always for Mixtral; the experts in either key layout,
-``hf_experts``). Their ``router_aux_loss_coef`` is not mapped: hetero's ``balance_loss`` is a per-row
+``hf_experts``; exported back in the layout they came in, and a GPT with experts trained from scratch as
+the family its routing matches, ``hf_config``). Their ``router_aux_loss_coef`` is not mapped: hetero's ``balance_loss`` is a per-row
 loss that transformers' pooled one is not, and stays as the module's YAML sets it. GQA, RoPE theta and
 the ``llama3`` and ``yarn`` scalings, tied embeddings and the RMSNorm eps carry over. A field hetero does
 not model, or a value it does not model (another activation, sliding-window attention that the
@@ -242,7 +243,9 @@ def hf_config(config: GPTConfig) -> dict:
     field of hetero's own that ``transformers`` keeps on the config and otherwise leaves alone."""
     if config.qk_norm and config.qkv_bias:
         raise ConfigError("a GPT with both qk_norm and qkv_bias matches no Hugging Face architecture hetero exports")
-    if config.qk_norm:
+    if config.moe:
+        architecture, model_type = _moe_family(config)
+    elif config.qk_norm:
         architecture, model_type = "Qwen3ForCausalLM", "qwen3"
     elif config.qkv_bias:
         architecture, model_type = "Qwen2ForCausalLM", "qwen2"
@@ -271,7 +274,32 @@ def hf_config(config: GPTConfig) -> dict:
     }
     if model_type != "qwen2":
         out["attention_bias"] = False
+    if model_type == "qwen3_moe":
+        out |= {"num_experts": config.num_experts, "num_experts_per_tok": config.top_k,
+                "moe_intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates,
+                "decoder_sparse_step": 1, "mlp_only_layers": []}
+    elif model_type == "mixtral":
+        out |= {"num_local_experts": config.num_experts, "num_experts_per_tok": config.top_k,
+                "intermediate_size": config.expert_size, "router_jitter_noise": 0.0, "sliding_window": None}
     return out
+
+
+def _moe_family(config: GPTConfig) -> tuple[str, str]:
+    """The transformers family a GPT with experts trained from scratch goes out as: softmax routing with
+    q/k norm -> Qwen3-MoE; softmax, renormalized, without -> Mixtral; anything else is refused by name."""
+    for field, wrong, why in (("gate", config.gate != "softmax", "both families route by softmax"),
+                              ("shared_experts", config.shared_experts > 0, "neither family has shared experts"),
+                              ("capacity_factor", config.capacity_factor > 0, "both families are dropless"),
+                              ("qkv_bias", config.qkv_bias, "neither family biases q, k, v")):
+        if wrong:
+            raise ConfigError(f"model.{field}={getattr(config, field)!r}: a GPT with experts exports as Qwen3-MoE or "
+                              f"Mixtral, and {why}")
+    if config.qk_norm:
+        return "Qwen3MoeForCausalLM", "qwen3_moe"
+    if config.normalize_gates:
+        return "MixtralForCausalLM", "mixtral"
+    raise ConfigError("model.normalize_gates=false without model.qk_norm: a GPT with experts exports as Qwen3-MoE "
+                      "(q/k norm) or Mixtral (top-k gates renormalized), and matches neither")
 
 
 def rope_context(config: GPTConfig) -> int:

@@ -103,3 +103,27 @@ class StackedExperts:
 
 def _ranges(values: list[int]) -> str:
     return ", ".join(str(v) for v in values[:8]) + (" ..." if len(values) > 8 else "")
+
+
+def assemble_experts(block: str, fused: set[str]):
+    """The export's ``HFExport.assemble`` for a mixture of experts: each stacked ``<prefix>.w1|w3|w2`` becomes
+    each expert's matrix under ``block``'s names, or, for the prefixes in ``fused``, transformers' fused
+    ``gate_up_proj`` (w1's rows, then w3's) and ``down_proj``."""
+    matrices = BLOCKS[block]
+
+    def assemble(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, tensor in tensors.items():
+            prefix, _, matrix = name.rpartition(".")
+            if not prefix.endswith(".experts") or matrix not in matrices:
+                out[name] = tensor
+            elif prefix in fused:
+                if matrix == "w2":
+                    out[f"{prefix}.down_proj"] = tensor
+                elif matrix == "w1":
+                    out[f"{prefix}.gate_up_proj"] = torch.cat([tensor, tensors[f"{prefix}.w3"]], 1)
+            else:  # copies: safetensors refuses tensors that share memory
+                out |= {f"{prefix}.{e}.{matrices[matrix]}.weight": part.clone() for e, part in enumerate(tensor)}
+        return out
+
+    return assemble

@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hetero.data.digits import IGNORE_INDEX
-from hetero.errors import ConfigError
 from hetero.kernels.documents import Documents, document_errors
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.flops import gpt_forward_flops_per_token
@@ -113,13 +112,20 @@ class GPTKind(Kind):
         from hetero.interop.hf_checkpoint import HFExport
         from hetero.interop.parts import open_part
         from hetero.models.gpt.hf import hf_config, weight_names
+        from hetero.models.gpt.hf_experts import StackedExperts, assemble_experts
 
-        if config.moe:
-            raise ConfigError("gpt modules with experts (model.num_experts > 0) export no Hugging Face checkpoints yet")
         if source is None:
-            return HFExport(hf_config(config), weight_names(config))
+            config_json = hf_config(config)
+            block = "block_sparse_moe" if config_json["model_type"] == "mixtral" else "mlp"  # the hub's spelling
+            assemble = assemble_experts(block, set()) if config.moe else HFExport.assemble
+            return HFExport(config_json, weight_names(config, block), assemble=assemble)
         part = open_part(source, "text")  # a decoder, or a whole LLaVA's LM
-        return HFExport(part.config, weight_names(config), getattr(part, "raw", lambda name: name))
+        raw = getattr(part, "raw", lambda name: name)
+        if not config.moe:
+            return HFExport(part.config, weight_names(config), raw)
+        experts = StackedExperts(part, config.num_experts)  # written back in the layout the source holds
+        return HFExport(part.config, weight_names(config, experts.block), raw,
+                        assemble=assemble_experts(experts.block, set(experts.fused)))
 
     def load_pretrained(self, model, path):
         from hetero.models.gpt.hf import load_gpt

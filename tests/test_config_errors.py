@@ -292,6 +292,15 @@ CASES = {
         both(setter("llm.model.num_experts", 2), setter("llm.model.gate", "relu")),
         r"llm\.model\.gate='relu' is not one of softmax, sigmoid",
     ),
+    "a shared experts' gate without shared experts": (
+        both(setter("llm.model.num_experts", 4), setter("llm.model.shared_expert_gate", True)),
+        r"llm\.model\.shared_expert_gate=true gates the shared experts, and llm\.model\.shared_experts=0",
+    ),
+    "a shared experts' gate on the megatron backend": (
+        both(setter("llm.model.num_experts", 4), setter("llm.model.shared_experts", 1),
+             setter("llm.model.shared_expert_gate", True), setter("llm.model.backend", "megatron")),
+        r"llm\.model\.backend=megatron does not run the shared experts' gate",
+    ),
     "experts under fsdp and ep": (
         both(setter("llm.model.num_experts", 4), setter("llm.layout", {"dp": 4, "ep": 2}),
              setter("llm.parallel", {"fsdp": True})),

@@ -1,6 +1,6 @@
 """Hugging Face mixtures of experts imported into hetero's GPT (``hetero/models/gpt/hf.py``,
 ``hf_experts.py``): tiny random Qwen3-MoE and Mixtral models built offline with ``transformers``, every
-weight perturbed, saved in the hub's per-expert layout (``save_pretrained``) and in transformers 5's fused
+weight perturbed (Qwen2-MoE's shared expert and its gate too), saved in the hub's per-expert layout (``save_pretrained``) and in transformers 5's fused
 one (its in-memory state as is); logits equal to transformers' within 1e-5 (fp32) in one process and under
 ep2 and ep2·tp2, each EP rank reading only its own experts' bytes. Exported back bit for bit in the
 source's layout; a hetero MoE from scratch exported as Qwen3-MoE or Mixtral by its routing (the megatron
@@ -27,6 +27,9 @@ CASES = {
                                dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4, head_dim=16,
                                     norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=24, num_local_experts=4)),
+    "qwen2-moe: a gated shared expert, q/k/v biases": (
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                                                      shared_expert_intermediate_size=32)),
 }
 
 
@@ -62,7 +65,9 @@ def test_an_imported_moe_gives_transformers_logits(tmp_path, case, fused):
 
 
 @pytest.mark.parametrize("case,layout", [("qwen3-moe renormalized", {"ep": 2, "dp": 2}),
-                                         ("mixtral", {"ep": 2, "tp": 2, "dp": 2})], ids=["qwen3-moe ep2", "mixtral ep2·tp2"])
+                                         ("mixtral", {"ep": 2, "tp": 2, "dp": 2}),
+                                         ("qwen2-moe: a gated shared expert, q/k/v biases", {"ep": 2, "tp": 2, "dp": 2})],
+                         ids=["qwen3-moe ep2", "mixtral ep2·tp2", "qwen2-moe ep2·tp2"])
 def test_an_imported_moe_under_expert_parallelism_gives_transformers_logits_reading_its_experts(tmp_path, case, layout):
     """Every rank's loss and logits equal transformers'; each rank reads the whole of every other weight it
     holds (its TP shard of them under tp2) and exactly its EP group's half of the experts' bytes."""
@@ -117,7 +122,7 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert files", "fused files"])
-@pytest.mark.parametrize("case", ["qwen3-moe renormalized", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen3-moe renormalized", "mixtral", "qwen2-moe: a gated shared expert, q/k/v biases"])
 def test_an_imported_moe_exports_bit_for_bit_in_its_sources_layout(tmp_path, case, fused):
     from hetero.interop.hf_export import hf_tensors
     from hetero.models import default_registry

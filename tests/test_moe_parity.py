@@ -27,6 +27,7 @@ from test_gpt_parity import batches as gpt_batches
 CONFIG = GPTConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=16,
                    num_experts=4, top_k=2, expert_ffn_size=32, shared_experts=1, balance_loss=0.01, router_z_loss=0.001)
 SIGMOID = replace(CONFIG, gate="sigmoid", normalize_gates=True, shared_experts=0)
+GATED = replace(CONFIG, shared_expert_gate=True)  # Qwen2-MoE's sigmoid gate on the shared experts' output
 GLOBAL_BATCH, MICROBATCHES, STEPS, LR, SEED = 8, 4, 4, 1e-2, 1234
 KEYS = ("loss", "llm.balance_loss", "llm.z_loss")
 
@@ -36,6 +37,7 @@ LAYOUTS = {
     "ep2 sigmoid+checkpointing": ({"dp": 2, "ep": 2}, ParallelOptions(activation_checkpointing=True), SIGMOID),
     "ep2·tp2": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(), CONFIG),
     "ep2·tp2+sp": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(sequence_parallel=True), CONFIG),
+    "ep2·tp2 gated shared expert": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(), GATED),
     "ep2·pp2": ({"pp": 2, "dp": 2, "ep": 2}, ParallelOptions(), CONFIG),
     "tp2": ({"tp": 2}, ParallelOptions(), CONFIG),  # every expert on both ranks, each routing half the tokens
     "dp4 ep2": ({"dp": 4, "ep": 2}, ParallelOptions(), CONFIG),  # each expert's gradients summed over 2 replicas
@@ -61,8 +63,12 @@ def reference(config: GPTConfig) -> Record:
 
 
 @functools.cache
-def references(sigmoid: bool) -> Record:
-    return reference(SIGMOID if sigmoid else CONFIG)
+def references(config_name: str) -> Record:
+    return reference({"CONFIG": CONFIG, "SIGMOID": SIGMOID, "GATED": GATED}[config_name])
+
+
+def config_name(config: GPTConfig) -> str:
+    return next(name for name, known in (("SIGMOID", SIGMOID), ("GATED", GATED), ("CONFIG", CONFIG)) if config is known)
 
 
 def train_cases(rank, world_size, cases):
@@ -96,7 +102,7 @@ def test_moe_parity_with_one_process(name):
     results = results_for_world_size(world_size_of(layout))
     if isinstance(results, Exception):
         raise results
-    expected = references(config is SIGMOID)
+    expected = references(config_name(config))
     assert all(value > 0 for value in expected.losses[0][1:]), "both auxiliary losses take part"
     print("\n" + check_parity(results[name], expected, f"moe parity {name}"))
 

@@ -62,6 +62,7 @@ class GPTConfig:
     top_k: int = 2
     expert_ffn_size: int | None = None  # default ffn_size
     shared_experts: int = 0
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared experts' output times sigmoid(a linear of the token)
     gate: str = "softmax"  # the router's scores: softmax over experts, or each expert's sigmoid
     normalize_gates: bool = False  # rescale the chosen top_k scores to sum to 1
     balance_loss: float = 0.0  # coefficient of the per-row load-balancing loss
@@ -183,6 +184,8 @@ class GPTConfig:
         for name in ("shared_experts", "balance_loss", "router_z_loss", "capacity_factor"):
             if getattr(self, name) < 0:
                 errors.append(f"{field}.{name}={getattr(self, name)} must be >= 0")
+        if self.shared_expert_gate and not self.shared_experts:
+            errors.append(f"{field}.shared_expert_gate=true gates the shared experts, and {field}.shared_experts=0")
         if self.num_experts % layout.ep:
             errors.append(f"{module}.layout.ep={layout.ep} does not divide {field}.num_experts={self.num_experts}; "
                           f"choose ep from {', '.join(str(d) for d in range(1, self.num_experts + 1) if self.num_experts % d == 0)}")
@@ -218,6 +221,9 @@ class GPTConfig:
     def _megatron_expert_errors(self, module: str, layout: Layout, options: ParallelOptions | None) -> list[str]:
         """The experts megatron-core's MoE layer runs with the native semantics (``megatron_router``)."""
         where, errors = f"{module}.model.backend=megatron", []
+        if self.shared_expert_gate:
+            errors.append(f"{where} does not run the shared experts' gate ({module}.model.shared_expert_gate=true) "
+                          "yet; use the native backend")
         if self.capacity_factor > 0:
             errors.append(f"{where} runs experts dropless only ({module}.model.capacity_factor="
                           f"{self.capacity_factor}): megatron-core picks the tokens it drops by its own policy")

@@ -3,8 +3,10 @@ weights renamed.
 
 Architectures: ``LlamaForCausalLM`` (Llama 2, 3.x), ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (biases
 on q, k, v), ``Qwen3ForCausalLM`` (RMSNorm of q and k per head, its own head_dim), and the mixtures of
-experts ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM`` (every layer's MLP top-k of softmax-routed SwiGLU
-experts, renormalized as ``norm_topk_prob`` says, always for Mixtral; the experts in either key layout,
+experts ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (every layer's MLP top-k of
+softmax-routed SwiGLU experts, renormalized as ``norm_topk_prob`` says, always for Mixtral; Qwen2-MoE's
+shared expert and its sigmoid gate as hetero's shared experts and ``shared_expert_gate``; the experts in
+either key layout,
 ``hf_experts``; exported back in the layout they came in, and a GPT with experts trained from scratch as
 the family its routing matches, ``hf_config``). Their ``router_aux_loss_coef`` is not mapped: hetero's ``balance_loss`` is a per-row
 loss that transformers' pooled one is not, and stays as the module's YAML sets it. GQA, RoPE theta and
@@ -31,7 +33,8 @@ from hetero.models.gpt.hf_experts import StackedExperts
 from hetero.models.gpt.model import GPT
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+                 "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+                 "Qwen2MoeForCausalLM": "qwen2_moe"}
 
 BOOKKEEPING = {
     "architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache",
@@ -48,7 +51,7 @@ MODELLED = {
     "tie_word_embeddings", "rope_theta", "rope_parameters", "rope_scaling", "attention_bias", "attention_dropout",
     "mlp_bias", "pretraining_tp", "sliding_window", "use_sliding_window", "layer_types", TRAINED_LENGTH, DEEPSTACK,
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-    "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise",
+    "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise", "shared_expert_intermediate_size", "qkv_bias",
 }
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
@@ -97,7 +100,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         refuse("layer_types", sorted(set(layer_types)), "every layer attends to the full sequence in hetero")
     theta, scaling = _rope(hf, where)
     sections, interleaved = _mrope(hf)
-    experts = _experts(hf, family, refuse) if family in ("qwen3_moe", "mixtral") else {}
+    experts = _experts(hf, family, refuse) if family in ("qwen3_moe", "mixtral", "qwen2_moe") else {}
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     return GPTConfig(
@@ -107,7 +110,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         head_dim=head_dim if head_dim and head_dim != hf["hidden_size"] // heads else None,
-        qkv_bias=family == "qwen2",
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
         qk_norm=family in ("qwen3", "qwen3_moe"), rope_scaling=scaling, mrope_sections=sections,
         mrope_interleaved=interleaved, deepstack_layers=list(hf.get(DEEPSTACK, [])), **experts,
     )
@@ -124,8 +127,15 @@ def _experts(hf: dict, family: str, refuse) -> dict:
         refuse("mlp_only_layers" if hf.get("mlp_only_layers") else "decoder_sparse_step",
                hf.get("mlp_only_layers") or hf["decoder_sparse_step"],
                "every layer's MLP is a mixture of experts in hetero; a pattern of dense layers is not modelled yet")
-    return dict(num_experts=hf.get("num_experts") or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
-                expert_ffn_size=hf["moe_intermediate_size"], normalize_gates=bool(hf.get("norm_topk_prob", False)))
+    routed = dict(num_experts=hf.get("num_experts") or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                  expert_ffn_size=hf["moe_intermediate_size"], normalize_gates=bool(hf.get("norm_topk_prob", False)))
+    if family == "qwen3_moe":
+        return routed
+    shared, width = hf["shared_expert_intermediate_size"], hf["moe_intermediate_size"]
+    if shared % width:
+        refuse("shared_expert_intermediate_size", shared, f"hetero's shared experts are whole experts of "
+               f"moe_intermediate_size={width}")
+    return routed | dict(shared_experts=shared // width, shared_expert_gate=True)
 
 
 def _rope(hf: dict, where: str) -> tuple[float, RopeScaling]:
@@ -170,6 +180,8 @@ _IN_LAYER = {
     "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
     "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
     "mlp.gate": "feed_forward.router", "mlp.experts": "feed_forward.experts",  # experts: ``hf_experts``' stacks
+    "mlp.shared_expert.gate_proj": "feed_forward.shared.w1", "mlp.shared_expert.up_proj": "feed_forward.shared.w3",
+    "mlp.shared_expert.down_proj": "feed_forward.shared.w2", "mlp.shared_expert_gate": "feed_forward.shared_gate",
 }
 _MIXTRAL = {"block_sparse_moe.gate": "feed_forward.router", "block_sparse_moe.experts": "feed_forward.experts"}
 _TOP = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output"}

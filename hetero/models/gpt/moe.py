@@ -157,6 +157,7 @@ class MoEFeedForward(nn.Module, Routing):
         self.experts = Experts(config.num_experts, config.hidden_size, config.expert_size)
         self.shared = (SwiGLU(config.hidden_size, config.shared_experts * config.expert_size)
                        if config.shared_experts else None)
+        self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
         self.dispatch: Dispatch = LocalExperts()
         self.row_group: dist.ProcessGroup | None = None  # ranks holding other tokens of the same rows (CP, TP)
         self.start_records(config.num_experts)
@@ -187,7 +188,8 @@ class MoEFeedForward(nn.Module, Routing):
         weights = gates.flatten()[order].to(out.dtype)
         out = torch.zeros(tokens.shape, dtype=out.dtype, device=x.device).index_add(0, token_of, out * weights[:, None])
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            shared = self.shared(tokens)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(tokens)) * shared)
         out = out.view(batch, seq, hidden)
         self.record(counts, flat.numel(), (~routed).sum())
         if aux_scale is None:

@@ -43,12 +43,12 @@ def keep_stage(model: GPT, stage: int, num_stages: int) -> None:
 
 
 def block_plan(sequence_parallel: bool = False, qk_norm: bool = False, experts: bool = False,
-               shared_experts: bool = False) -> dict[str, nn.Module]:
+               shared_experts: bool = False, shared_gate: bool = False) -> dict[str, nn.Module]:
     """TP plan of a GPT ``Block``: heads and SwiGLU units split, the output projections reduce (into a
     sequence-sharded residual stream under sequence parallelism). The per-head norms of q and k see
     this rank's heads (dim 1 of (batch, heads, seq, head_dim)): their weights are replicated and their
     gradients partial sums over the TP group, reduced with the other partial gradients. ``experts``: the
-    block's MLP is a mixture of experts (with ``shared_experts``), fed this rank's part of the sequence
+    block's MLP is a mixture of experts (with ``shared_experts``, and their ``shared_gate``), fed this rank's part of the sequence
     (the module docstring)."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, nn.Module] = {
@@ -65,6 +65,7 @@ def block_plan(sequence_parallel: bool = False, qk_norm: bool = False, experts: 
         }
     else:  # the router and shared experts see this rank's tokens (flattened: dim 0)
         routed = ["router"] + ([f"shared.{w}" for w in ("w1", "w3", "w2")] if shared_experts else [])
+        routed += ["shared_gate"] if shared_gate else []
         plan |= {f"feed_forward.{name}": SequenceParallel(sequence_dim=0, use_local_output=True) for name in routed}
         # Its part of the stream in (under SP as it is, else cut from the replicated one), the output back
         # into the stream's layout (without SP, the parts gathered).
@@ -101,8 +102,9 @@ def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool)
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, model.config.qk_norm, model.config.moe,
-                                                      model.config.shared_experts > 0))
+        config = model.config
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, config.qk_norm, config.moe,
+                                                      config.shared_experts > 0, config.shared_expert_gate))
     if model.config.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # same Shard(0) placement: re-tie the DTensor
 

@@ -110,9 +110,11 @@ class Routing:
 
     def start_records(self, num_experts: int) -> None:
         self.last_aux: dict[str, torch.Tensor] = {}
-        self.load = torch.zeros(num_experts, dtype=torch.float64)
-        self.assigned = torch.zeros((), dtype=torch.float64)
-        self.dropped = torch.zeros((), dtype=torch.float64)
+        # on the host, also when the model is built on the meta device (init.hf): the first record moves them
+        cpu = torch.device("cpu")
+        self.load = torch.zeros(num_experts, dtype=torch.float64, device=cpu)
+        self.assigned = torch.zeros((), dtype=torch.float64, device=cpu)
+        self.dropped = torch.zeros((), dtype=torch.float64, device=cpu)
 
     def counts_this_forward(self) -> bool:
         """Whether this forward is one to count: a training one, not a recompute's (torch's checkpoint

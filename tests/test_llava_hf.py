@@ -176,7 +176,6 @@ def test_a_whole_llava_imports_trains_and_exports_under_layouts(llava, tmp_path)
 @pytest.mark.parametrize("changes,message", [
     ({"architectures": ["LlavaNextForConditionalGeneration"]}, "anyres tiling"),
     ({"architectures": ["Qwen2VLForConditionalGeneration"]}, "Qwen2-VL.s vision tower"),
-    ({"architectures": ["Qwen3VLMoeForConditionalGeneration"]}, "Qwen3-MoE, whose expert weights"),
     ({"architectures": ["Gemma3ForConditionalGeneration"]}, "average-pools the SigLIP patches"),
     ({"vision_feature_layer": [-2, -1]}, "several layers concatenated"),
     ({"vision_feature_select_strategy": "default"}, "SigLIP tower (no class token) is an image patch"),

@@ -3,7 +3,10 @@ imported into a tower dp2 (ranks 0-1) → LLM tp2 (ranks 2-3) graph, both module
 On rows of text around images of several grids and a video (random patches, the processor's steps are not
 built yet), hetero's logits on every LLM rank equal transformers' (1e-5), for Qwen2.5-VL (windows, M-RoPE
 in sections) and Qwen3-VL (the learned position grid, interleaved M-RoPE, DeepStack's taps added after
-the LLM's first layers, q/k norms)."""
+the LLM's first layers, q/k norms), and Qwen3-VL-MoE (its experts fused as transformers 5 writes them, and
+transposed as the hub's files, written by transformers 4, hold them)."""
+
+import json
 
 import pytest
 import torch
@@ -29,6 +32,10 @@ ROWS = [  # per row: text, then per picture (kind, (t, h, w) patches) and text a
 ]
 
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+FAMILIES = ["qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3-vl-moe, hub files"]
+
+
 def write_qwen_vl(path, family="qwen2.5-vl"):
     torch.manual_seed(0)
     ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
@@ -39,16 +46,25 @@ def write_qwen_vl(path, family="qwen2.5-vl"):
                                                     "mrope_section": [1, 1, 2]}), **ids)
         model = transformers.Qwen2_5_VLForConditionalGeneration(config)
     else:
-        config = transformers.Qwen3VLConfig(vision_config=dict(VISION, num_position_embeddings=16,
-                                                               deepstack_visual_indexes=[0]),
-                                            text_config=dict(TEXT, head_dim=8, rope_parameters={
-                                                "rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1],
-                                                "mrope_interleaved": True}), **ids)
-        model = transformers.Qwen3VLForConditionalGeneration(config)
+        moe = family.startswith("qwen3-vl-moe")
+        config = (transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig)(
+            vision_config=dict(VISION, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+            text_config=dict(TEXT, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                             **(MOE if moe else {})), **ids)
+        model = (transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration)(config)
     with torch.no_grad():  # biases and norms start at 0 and 1: make every weight matter
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     model.save_pretrained(path)
+    if family.endswith("hub files"):  # as transformers 4 wrote them: each layer's fused experts transposed
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(path / "model.safetensors")
+        save_file({name: t.transpose(1, 2).contiguous() if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                   else t for name, t in state.items()}, path / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((path / "config.json").read_text()) | {"transformers_version": "4.57.0"}
+        (path / "config.json").write_text(json.dumps(config))
     return path
 
 
@@ -81,7 +97,7 @@ def rows(family):
             t, h, w = what
             patches = torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=gen)
             row[kind].append((what, patches))
-            if kind == "video" and family == "qwen3-vl":
+            if kind == "video" and family.startswith("qwen3-vl"):
                 for frame in range(t):
                     text(2)  # its timestamp
                     picture(kind, (1, h, w), patches[frame * h * w:(frame + 1) * h * w], 1.0)
@@ -93,8 +109,9 @@ def rows(family):
 
 def transformers_logits(path, family):
     classes = {"qwen2.5-vl": transformers.Qwen2_5_VLForConditionalGeneration,
-               "qwen3-vl": transformers.Qwen3VLForConditionalGeneration}
-    model = classes[family].from_pretrained(path, dtype=torch.float32).eval()
+               "qwen3-vl": transformers.Qwen3VLForConditionalGeneration,
+               "qwen3-vl-moe": transformers.Qwen3VLMoeForConditionalGeneration}
+    model = classes[family.split(",")[0]].from_pretrained(path, dtype=torch.float32).eval()
     logits = []
     with torch.no_grad():
         for row in rows(family):
@@ -142,9 +159,9 @@ def imported_logits(rank, world_size, path, batch):
     return None if logits is None else logits[1]
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_whole_qwen_vl_imports_under_layouts(tmp_path, family):
-    path = write_qwen_vl(tmp_path / family, family)
+    path = write_qwen_vl(tmp_path / family.replace(", ", "-").replace(" ", "-"), family)
     expected = transformers_logits(path, family)
     held = [r for r in run_ranks(imported_logits, 4, path, hetero_batch(family), timeout_s=300) if r is not None]
     assert len(held) == 2  # both LLM ranks
@@ -152,3 +169,25 @@ def test_a_whole_qwen_vl_imports_under_layouts(tmp_path, family):
               for ours in held for r, want in enumerate(expected)]
     print(f"\nimported {family}: logits rel. errors {', '.join(f'{e:.1e}' for e in errors)}")
     assert max(errors) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3-vl-moe", "qwen3-vl-moe, hub files"])
+def test_a_qwen3_vl_moes_language_model_exports_bit_for_bit_in_its_files_layout(tmp_path, family):
+    """The LLM part of a Qwen3-VL-MoE imported in one process and written back (``Kind.hf_export``): every
+    tensor of the part, the fused experts in the layout the files hold them (transposed in the hub's)."""
+    from hetero.interop.hf_checkpoint import HFCheckpoint
+    from hetero.interop.hf_export import hf_tensors
+    from hetero.interop.parts import open_part
+    from hetero.models import default_registry
+    from hetero.models.gpt.hf import gpt_config, load_gpt
+    from hetero.models.gpt.model import GPT
+
+    path = write_qwen_vl(tmp_path / "vlm", family)
+    whole = HFCheckpoint(path)
+    part = open_part(whole, "text")
+    model = GPT(gpt_config(part.config))
+    load_gpt(model, path)
+    written = hf_tensors(default_registry()["gpt"].hf_export(model.config, whole), whole, model.state_dict().items())
+    assert sorted(written) == sorted(part.names())
+    for name in part.names():
+        assert torch.equal(written[name], part.tensor(name)), name

@@ -10,7 +10,7 @@ token under the ``full`` strategy and without it under ``default``. The LLM's to
 and image token, and the tower's image processor, sit in the same directory.
 
 Refused by name (``REFUSED``, each naming the piece hetero lacks): LLaVA-NeXT's anyres tiling,
-LLaVA-OneVision, Qwen2-VL's tower, Qwen3-VL-MoE, Gemma 3, PaliGemma, InternVL, Idefics3, SmolVLM, Llama 3.2
+LLaVA-OneVision, Qwen2-VL's tower, Gemma 3, PaliGemma, InternVL, Idefics3, SmolVLM, Llama 3.2
 Vision and Llama 4; several feature layers at once, and any top-level field not modelled. Qwen2.5-VL and Qwen3-VL are
 ``hetero.interop.qwen_vl``'s.
 """
@@ -30,8 +30,6 @@ REFUSED = {
     "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision's anyres tiling is not modelled",
     "Qwen2VLForConditionalGeneration": "Qwen2-VL's vision tower (LayerNorm, quick-GELU, no windows) is not modelled; "
                                        "Qwen2.5-VL and Qwen3-VL are (hetero.interop.qwen_vl)",
-    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE's language model is a Qwen3-MoE, whose expert weights "
-                                          "hetero does not import yet; the dense Qwen3-VL imports",
     "Gemma3ForConditionalGeneration": "Gemma 3 is not modelled: its projector average-pools the SigLIP patches to "
                                       "mm_tokens_per_image, and its LM interleaves sliding-window and global layers "
                                       "and attends bidirectionally within each image's tokens",

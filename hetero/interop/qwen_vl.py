@@ -1,7 +1,8 @@
 """A whole Qwen2.5-VL or Qwen3-VL Hugging Face checkpoint as the two modules of a vit → gpt graph: the
 vision tower (a ``vit`` module with ``tower``, its ``vision_config``; ``hetero.models.vit.qwen_tower_hf``)
 and the language model (a ``gpt`` with M-RoPE, its ``text_config``: Qwen2 for Qwen2.5-VL, Qwen3 for
-Qwen3-VL). Each module names the same directory in its ``init.hf``. The weights are found by the tower's
+Qwen3-VL, Qwen3-MoE for Qwen3-VL-MoE, whose hub files hold each layer's fused experts transposed:
+``experts_transposed``). Each module names the same directory in its ``init.hf``. The weights are found by the tower's
 patch embedding and the LM's token embedding wherever they sit: the hub's layout (``visual.``,
 ``model.``) and transformers 5's (``model.visual.``, ``model.language_model.``) both read.
 
@@ -19,6 +20,7 @@ from hetero.interop.vlm_part import VLMPart
 ARCHITECTURES = {  # the VLM -> (the tower, the language model's architecture)
     "Qwen2_5_VLForConditionalGeneration": ("qwen2.5-vl", "Qwen2ForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("qwen3-vl", "Qwen3ForCausalLM"),
+    "Qwen3VLMoeForConditionalGeneration": ("qwen3-vl", "Qwen3MoeForCausalLM"),
 }
 MODELLED = {"vision_config", "text_config", "image_token_id", "video_token_id", "vision_start_token_id",
             "vision_end_token_id", "tie_word_embeddings"}
@@ -74,9 +76,15 @@ class QwenVLPart(VLMPart):
             config = self.vlm["vision_config"] | {"architectures": [tower]}
         else:
             config = text_config(self.vlm)
-            config.setdefault("tie_word_embeddings", self.vlm.get("tie_word_embeddings", False))
+            # the whole model's setting decides where it has one (Qwen3-VL-MoE's text_config says true, untied)
+            config["tie_word_embeddings"] = self.vlm.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
             taps = len(self.vlm["vision_config"].get("deepstack_visual_indexes", [])) if tower == "qwen3-vl" else 0
             config |= {"architectures": [language_model], "rope_parameters": mrope(config, tower),
                        DEEPSTACK: list(range(taps))}  # Qwen3-VL adds tap k after layer k
             config.pop("rope_scaling", None)
+            if language_model == "Qwen3MoeForCausalLM":  # Qwen3-VL-MoE's router renormalizes its top-k always
+                config["norm_topk_prob"] = True
         super().__init__(whole, part, config, ANCHORS[part], "a whole Qwen-VL checkpoint")
+        # Qwen3-VL-MoE's files as transformers 4 wrote them (the hub's): experts (E, hidden, 2·ffn), (E, ffn, hidden)
+        written_by = int(str(self.vlm.get("transformers_version", "5")).split(".")[0])
+        self.experts_transposed = language_model == "Qwen3MoeForCausalLM" and written_by < 5

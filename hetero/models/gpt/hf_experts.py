@@ -5,7 +5,9 @@ The hub stores each expert's matrices on their own: ``mlp.experts.{e}.gate_proj/
 (Qwen3-MoE, Qwen2-MoE) or ``block_sparse_moe.experts.{e}.w1/w3/w2`` (Mixtral). transformers 5 fuses them
 in memory, and a checkpoint saved from that state holds ``mlp.experts.gate_up_proj`` (E, 2·ffn, hidden;
 the gate's rows first) and ``mlp.experts.down_proj`` (E, hidden, ffn). The layout of each layer is told
-by its key names, never by shapes (2·ffn = hidden would be ambiguous).
+by its key names, never by shapes (2·ffn = hidden would be ambiguous). Qwen3-VL-MoE's hub files hold the
+fused pair transposed, (E, hidden, 2·ffn) and (E, ffn, hidden), where transformers 5 writes its own layout:
+its part of the checkpoint says which (``experts_transposed``, from the transformers version that wrote it).
 
 ``StackedExperts`` wraps a checkpoint so that ``<layer>.<block>.experts.w1`` (and w3, w2) read as one
 tensor each: a slice over experts reads only those experts' tensors, so an EP rank reads its own share.
@@ -33,6 +35,7 @@ class StackedExperts:
 
     def __init__(self, checkpoint, num_experts: int, module: str = "llm"):
         self.checkpoint, self.num_experts = checkpoint, num_experts
+        self.transposed = getattr(checkpoint, "experts_transposed", False)  # fused as (E, hidden, 2·ffn)
         self.path, self.config = checkpoint.path, checkpoint.config
         where = f"{module}.init.hf ({checkpoint.path})"
         self.per_expert: dict[str, dict[int, dict[str, str]]] = {}  # experts prefix -> expert -> matrix -> name
@@ -59,7 +62,7 @@ class StackedExperts:
             if prefix in self.per_expert or set(tensors) != {"gate_up_proj", "down_proj"}:
                 raise ConfigError(f"{where}: {prefix} mixes fused and per-expert tensors, or lacks one of "
                                   "gate_up_proj and down_proj")
-            experts = checkpoint.shape(tensors["gate_up_proj"])[0]
+            experts = checkpoint.shape(tensors["gate_up_proj"])[0]  # dimension 0 in both layouts
             if experts != num_experts:
                 raise ConfigError(f"{where}: {tensors['gate_up_proj']} holds {experts} experts; the config "
                                   f"has {num_experts}")
@@ -91,24 +94,30 @@ class StackedExperts:
 
     def _fused(self, prefix: str, matrix: str, index: tuple[slice, ...] | None) -> torch.Tensor:
         names = self.fused[prefix]
-        if matrix == "w2":
-            return self.checkpoint.tensor(names["down_proj"], index)
-        shape = self.checkpoint.shape(names["gate_up_proj"])
-        ffn = shape[1] // 2
         experts, rows, cols = index if index else (slice(None), slice(None), slice(None))
+        if matrix == "w2":
+            if not self.transposed:
+                return self.checkpoint.tensor(names["down_proj"], (experts, rows, cols))
+            return self.checkpoint.tensor(names["down_proj"], (experts, cols, rows)).transpose(1, 2)
+        shape = self.checkpoint.shape(names["gate_up_proj"])
+        ffn = shape[2 if self.transposed else 1] // 2
         rows = range(ffn)[rows]
-        first = rows.start + (ffn if matrix == "w3" else 0)
-        return self.checkpoint.tensor(names["gate_up_proj"], (experts, slice(first, first + len(rows)), cols))
+        start = rows.start + (ffn if matrix == "w3" else 0)  # the gate's rows, then the up projection's
+        half = slice(start, start + len(rows))
+        if not self.transposed:
+            return self.checkpoint.tensor(names["gate_up_proj"], (experts, half, cols))
+        return self.checkpoint.tensor(names["gate_up_proj"], (experts, cols, half)).transpose(1, 2)
 
 
 def _ranges(values: list[int]) -> str:
     return ", ".join(str(v) for v in values[:8]) + (" ..." if len(values) > 8 else "")
 
 
-def assemble_experts(block: str, fused: set[str]):
+def assemble_experts(block: str, fused: set[str], transposed: bool = False):
     """The export's ``HFExport.assemble`` for a mixture of experts: each stacked ``<prefix>.w1|w3|w2`` becomes
     each expert's matrix under ``block``'s names, or, for the prefixes in ``fused``, transformers' fused
-    ``gate_up_proj`` (w1's rows, then w3's) and ``down_proj``."""
+    ``gate_up_proj`` (w1's rows, then w3's) and ``down_proj``, ``transposed`` as Qwen3-VL-MoE's hub files."""
+    turn = (lambda t: t.transpose(1, 2).contiguous()) if transposed else (lambda t: t)
     matrices = BLOCKS[block]
 
     def assemble(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -119,9 +128,9 @@ def assemble_experts(block: str, fused: set[str]):
                 out[name] = tensor
             elif prefix in fused:
                 if matrix == "w2":
-                    out[f"{prefix}.down_proj"] = tensor
+                    out[f"{prefix}.down_proj"] = turn(tensor)
                 elif matrix == "w1":
-                    out[f"{prefix}.gate_up_proj"] = torch.cat([tensor, tensors[f"{prefix}.w3"]], 1)
+                    out[f"{prefix}.gate_up_proj"] = turn(torch.cat([tensor, tensors[f"{prefix}.w3"]], 1))
             else:  # copies: safetensors refuses tensors that share memory
                 out |= {f"{prefix}.{e}.{matrices[matrix]}.weight": part.clone() for e, part in enumerate(tensor)}
         return out

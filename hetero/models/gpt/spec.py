@@ -125,7 +125,7 @@ class GPTKind(Kind):
             return HFExport(part.config, weight_names(config), raw)
         experts = StackedExperts(part, config.num_experts)  # written back in the layout the source holds
         return HFExport(part.config, weight_names(config, experts.block), raw,
-                        assemble=assemble_experts(experts.block, set(experts.fused)))
+                        assemble=assemble_experts(experts.block, set(experts.fused), experts.transposed))
 
     def load_pretrained(self, model, path):
         from hetero.models.gpt.hf import load_gpt

@@ -292,6 +292,10 @@ CASES = {
         both(setter("llm.model.num_experts", 2), setter("llm.model.gate", "relu")),
         r"llm\.model\.gate='relu' is not one of softmax, sigmoid",
     ),
+    "dense layers out of range": (
+        both(setter("llm.model.num_experts", 4), setter("llm.model.dense_layers", [0, 9])),
+        r"llm\.model\.dense_layers=\[0, 9\] must name some of the layers 0\.\.\d+, not all",
+    ),
     "a shared experts' gate without shared experts": (
         both(setter("llm.model.num_experts", 4), setter("llm.model.shared_expert_gate", True)),
         r"llm\.model\.shared_expert_gate=true gates the shared experts, and llm\.model\.shared_experts=0",

@@ -27,6 +27,10 @@ CASES = {
                                dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4, head_dim=16,
                                     norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=24, num_local_experts=4)),
+    "qwen3-moe: a dense first layer, experts every second layer": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                                                      head_dim=16, num_hidden_layers=4, mlp_only_layers=[0],
+                                                      decoder_sparse_step=2)),
     "qwen2-moe: a gated shared expert, q/k/v biases": (
         "Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4,
                                                       shared_expert_intermediate_size=32)),
@@ -65,9 +69,8 @@ def test_an_imported_moe_gives_transformers_logits(tmp_path, case, fused):
 
 
 @pytest.mark.parametrize("case,layout", [("qwen3-moe renormalized", {"ep": 2, "dp": 2}),
-                                         ("mixtral", {"ep": 2, "tp": 2, "dp": 2}),
-                                         ("qwen2-moe: a gated shared expert, q/k/v biases", {"ep": 2, "tp": 2, "dp": 2})],
-                         ids=["qwen3-moe ep2", "mixtral ep2·tp2", "qwen2-moe ep2·tp2"])
+                                         ("mixtral", {"ep": 2, "tp": 2, "dp": 2})],
+                         ids=["qwen3-moe ep2", "mixtral ep2·tp2"])  # Qwen2-MoE at ep2·tp2: test_moe_training
 def test_an_imported_moe_under_expert_parallelism_gives_transformers_logits_reading_its_experts(tmp_path, case, layout):
     """Every rank's loss and logits equal transformers'; each rank reads the whole of every other weight it
     holds (its TP shard of them under tp2) and exactly its EP group's half of the experts' bytes."""
@@ -99,8 +102,6 @@ def test_an_imported_moe_under_expert_parallelism_gives_transformers_logits_read
 
 @pytest.mark.parametrize("changes,message", [
     ({"router_jitter_noise": 0.1}, r"router_jitter_noise=0\.1 is not modelled \(hetero's router adds no noise\)"),
-    ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] is not modelled \(every layer's MLP is a mixture"),
-    ({"decoder_sparse_step": 2}, r"decoder_sparse_step=2 is not modelled"),
 ])
 def test_a_routing_hetero_does_not_model_is_refused_by_name(changes, message):
     fields = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **SIZES,
@@ -122,7 +123,8 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert files", "fused files"])
-@pytest.mark.parametrize("case", ["qwen3-moe renormalized", "mixtral", "qwen2-moe: a gated shared expert, q/k/v biases"])
+@pytest.mark.parametrize("case", ["qwen3-moe renormalized", "mixtral", "qwen2-moe: a gated shared expert, q/k/v biases",
+                                  "qwen3-moe: a dense first layer, experts every second layer"])
 def test_an_imported_moe_exports_bit_for_bit_in_its_sources_layout(tmp_path, case, fused):
     from hetero.interop.hf_export import hf_tensors
     from hetero.models import default_registry
@@ -140,6 +142,7 @@ def test_an_imported_moe_exports_bit_for_bit_in_its_sources_layout(tmp_path, cas
 
 
 @pytest.mark.parametrize("family,fields", [("Qwen3MoeForCausalLM", dict(qk_norm=True, normalize_gates=False)),
+                                           ("Qwen3MoeForCausalLM", dict(qk_norm=True, dense_layers=[1])),
                                            ("MixtralForCausalLM", dict(qk_norm=False, normalize_gates=True))])
 def test_a_moe_trained_from_scratch_exports_as_the_family_of_its_routing(tmp_path, family, fields):
     """A hetero GPT with experts (random weights) written as Qwen3-MoE or Mixtral: transformers loads it
@@ -171,7 +174,8 @@ def test_a_moe_trained_from_scratch_exports_as_the_family_of_its_routing(tmp_pat
 @pytest.mark.parametrize("fields,message", [
     (dict(gate="sigmoid", qk_norm=True), r"model\.gate='sigmoid': .* both families route by softmax"),
     (dict(shared_experts=1, qk_norm=True), r"model\.shared_experts=1: .* neither family has shared experts"),
-    (dict(qk_norm=False, normalize_gates=False), r"model\.normalize_gates=false without model\.qk_norm"),
+    (dict(qk_norm=False, normalize_gates=False), r"exports as Mixtral, which renormalizes .*normalize_gates=False"),
+    (dict(qk_norm=False, normalize_gates=True, dense_layers=[0]), r"has no dense layers \(model\.dense_layers=\[0\]\)"),
 ])
 def test_a_moe_no_family_matches_is_refused_by_name(fields, message):
     from hetero.models import default_registry

@@ -63,6 +63,9 @@ class GPTConfig:
     expert_ffn_size: int | None = None  # default ffn_size
     shared_experts: int = 0
     shared_expert_gate: bool = False  # Qwen2-MoE: the shared experts' output times sigmoid(a linear of the token)
+    # with experts, the layers that keep a dense SwiGLU MLP (ffn_hidden_size wide): Qwen-MoE's mlp_only_layers
+    # and decoder_sparse_step, DeepSeek-V3's first_k_dense_replace
+    dense_layers: list[int] = field(default_factory=list)
     gate: str = "softmax"  # the router's scores: softmax over experts, or each expert's sigmoid
     normalize_gates: bool = False  # rescale the chosen top_k scores to sum to 1
     balance_loss: float = 0.0  # coefficient of the per-row load-balancing loss
@@ -89,6 +92,10 @@ class GPTConfig:
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether layer ``index``'s MLP is the mixture of experts."""
+        return self.moe and index not in self.dense_layers
 
     def errors(self, module: str, layout: Layout, options: ParallelOptions | None = None) -> list[str]:
         """Everything about this model that ``layout`` (and ``options``) cannot run; empty when fine."""
@@ -184,6 +191,9 @@ class GPTConfig:
         for name in ("shared_experts", "balance_loss", "router_z_loss", "capacity_factor"):
             if getattr(self, name) < 0:
                 errors.append(f"{field}.{name}={getattr(self, name)} must be >= 0")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers) or len(set(self.dense_layers)) == self.num_layers:
+            errors.append(f"{field}.dense_layers={self.dense_layers} must name some of the layers 0..{self.num_layers - 1}, "
+                          "not all")
         if self.shared_expert_gate and not self.shared_experts:
             errors.append(f"{field}.shared_expert_gate=true gates the shared experts, and {field}.shared_experts=0")
         if self.num_experts % layout.ep:
@@ -221,6 +231,9 @@ class GPTConfig:
     def _megatron_expert_errors(self, module: str, layout: Layout, options: ParallelOptions | None) -> list[str]:
         """The experts megatron-core's MoE layer runs with the native semantics (``megatron_router``)."""
         where, errors = f"{module}.model.backend=megatron", []
+        if self.dense_layers:
+            errors.append(f"{where} does not run dense layers among the experts' ({module}.model.dense_layers="
+                          f"{self.dense_layers}) yet; use the native backend")
         if self.shared_expert_gate:
             errors.append(f"{where} does not run the shared experts' gate ({module}.model.shared_expert_gate=true) "
                           "yet; use the native backend")

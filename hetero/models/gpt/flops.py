@@ -15,8 +15,9 @@ def gpt_forward_flops_per_token(config: GPTConfig, seq_len: int | None = None) -
     mlp = 2 * 3 * h * active_ffn_size(config)  # SwiGLU: gate, up and down projections
     if config.moe:
         mlp += 2 * h * config.num_experts  # the router
+    dense = len(set(config.dense_layers)) * (2 * 3 * h * config.ffn_size - mlp)  # those layers' MLP instead
     logits = 2 * h * config.vocab_size
-    return config.num_layers * (projections + attention + mlp) + logits
+    return config.num_layers * (projections + attention + mlp) + dense + logits
 
 
 def active_ffn_size(config: GPTConfig) -> int:

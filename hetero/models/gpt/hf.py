@@ -123,12 +123,12 @@ def _experts(hf: dict, family: str, refuse) -> dict:
     if family == "mixtral":
         return dict(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                     expert_ffn_size=hf["intermediate_size"], normalize_gates=True)
-    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-        refuse("mlp_only_layers" if hf.get("mlp_only_layers") else "decoder_sparse_step",
-               hf.get("mlp_only_layers") or hf["decoder_sparse_step"],
-               "every layer's MLP is a mixture of experts in hetero; a pattern of dense layers is not modelled yet")
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    # transformers' rule: a layer has experts unless listed, and then only every step-th (1-based)
+    dense |= {i for i in range(hf["num_hidden_layers"]) if (i + 1) % step}
     routed = dict(num_experts=hf.get("num_experts") or hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
-                  expert_ffn_size=hf["moe_intermediate_size"], normalize_gates=bool(hf.get("norm_topk_prob", False)))
+                  expert_ffn_size=hf["moe_intermediate_size"], normalize_gates=bool(hf.get("norm_topk_prob", False)),
+                  dense_layers=sorted(dense))
     if family == "qwen3_moe":
         return routed
     shared, width = hf["shared_expert_intermediate_size"], hf["moe_intermediate_size"]
@@ -289,7 +289,7 @@ def hf_config(config: GPTConfig) -> dict:
     if model_type == "qwen3_moe":
         out |= {"num_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "moe_intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates,
-                "decoder_sparse_step": 1, "mlp_only_layers": []}
+                "decoder_sparse_step": 1, "mlp_only_layers": sorted(set(config.dense_layers))}
     elif model_type == "mixtral":
         out |= {"num_local_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "intermediate_size": config.expert_size, "router_jitter_noise": 0.0, "sliding_window": None}
@@ -308,10 +308,11 @@ def _moe_family(config: GPTConfig) -> tuple[str, str]:
                               f"Mixtral, and {why}")
     if config.qk_norm:
         return "Qwen3MoeForCausalLM", "qwen3_moe"
-    if config.normalize_gates:
+    if config.normalize_gates and not config.dense_layers:
         return "MixtralForCausalLM", "mixtral"
-    raise ConfigError("model.normalize_gates=false without model.qk_norm: a GPT with experts exports as Qwen3-MoE "
-                      "(q/k norm) or Mixtral (top-k gates renormalized), and matches neither")
+    raise ConfigError("a GPT with experts and without model.qk_norm exports as Mixtral, which renormalizes its top-k "
+                      f"gates (model.normalize_gates={config.normalize_gates}) and has no dense layers "
+                      f"(model.dense_layers={config.dense_layers}); with q/k norm it exports as Qwen3-MoE")
 
 
 def rope_context(config: GPTConfig) -> int:

@@ -128,12 +128,13 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, index: int = 0):
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.feed_forward = MoEFeedForward(config) if config.moe else SwiGLU(config.hidden_size, config.ffn_size)
+        self.feed_forward = (MoEFeedForward(config) if config.moe_layer(index)
+                             else SwiGLU(config.hidden_size, config.ffn_size))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: Documents | None = None, aux_scale: float | None = None) -> torch.Tensor:
@@ -151,7 +152,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.num_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.reset_parameters()

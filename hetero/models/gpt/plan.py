@@ -102,8 +102,8 @@ def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool)
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
-        config = model.config
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, config.qk_norm, config.moe,
+        config, experts = model.config, isinstance(block.feed_forward, MoEFeedForward)
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, config.qk_norm, experts,
                                                       config.shared_experts > 0, config.shared_expert_gate))
     if model.config.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # same Shard(0) placement: re-tie the DTensor
@@ -130,7 +130,8 @@ def apply_expert_parallel(model: GPT, mesh: ModuleMesh) -> None:
     layout = mesh.layout
     for block in model.layers.values():
         moe = block.feed_forward
-        assert isinstance(moe, MoEFeedForward)
+        if not isinstance(moe, MoEFeedForward):  # a dense layer (dense_layers)
+            continue
         if layout.cp * layout.tp > 1:
             moe.row_group = mesh.group("rows")
         if layout.ep > 1:

@@ -292,6 +292,11 @@ CASES = {
         both(setter("llm.model.num_experts", 2), setter("llm.model.gate", "relu")),
         r"llm\.model\.gate='relu' is not one of softmax, sigmoid",
     ),
+    "deepseek routing on the megatron backend": (
+        both(setter("llm.model.num_experts", 4), setter("llm.model.routed_scale", 2.5),
+             setter("llm.model.backend", "megatron")),
+        r"llm\.model\.backend=megatron does not run llm\.model\.routed_scale=2\.5 yet",
+    ),
     "dense layers out of range": (
         both(setter("llm.model.num_experts", 4), setter("llm.model.dense_layers", [0, 9])),
         r"llm\.model\.dense_layers=\[0, 9\] must name some of the layers 0\.\.\d+, not all",

@@ -29,6 +29,8 @@ CONFIG = GPTConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num
 SIGMOID = replace(CONFIG, gate="sigmoid", normalize_gates=True, shared_experts=0)
 GATED = replace(CONFIG, shared_expert_gate=True)  # Qwen2-MoE's sigmoid gate on the shared experts' output
 DENSE = replace(CONFIG, dense_layers=[0, 2])  # a dense MLP in layers 0 and 2 (Qwen-MoE's mlp_only_layers)
+DEEPSEEK = replace(CONFIG, gate="sigmoid", normalize_gates=True, selection_bias=True, expert_groups=2,
+                   routed_scale=2.5)  # DeepSeek-V3's routing: two groups of two experts, a token's best group
 GLOBAL_BATCH, MICROBATCHES, STEPS, LR, SEED = 8, 4, 4, 1e-2, 1234
 KEYS = ("loss", "llm.balance_loss", "llm.z_loss")
 
@@ -40,6 +42,7 @@ LAYOUTS = {
     "ep2·tp2+sp": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(sequence_parallel=True), CONFIG),
     "ep2·tp2 gated shared expert": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(), GATED),
     "ep2·tp2+sp dense layers 0 and 2": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(sequence_parallel=True), DENSE),
+    "ep2·tp2 deepseek routing": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(), DEEPSEEK),
     "ep2·pp2": ({"pp": 2, "dp": 2, "ep": 2}, ParallelOptions(), CONFIG),
     "tp2": ({"tp": 2}, ParallelOptions(), CONFIG),  # every expert on both ranks, each routing half the tokens
     "dp4 ep2": ({"dp": 4, "ep": 2}, ParallelOptions(), CONFIG),  # each expert's gradients summed over 2 replicas
@@ -64,14 +67,16 @@ def reference(config: GPTConfig) -> Record:
     return record_reference({"llm": model}, {"llm": OptimizerConfig(lr=LR)}, batches(config), losses)
 
 
+CONFIGS = {"CONFIG": CONFIG, "SIGMOID": SIGMOID, "GATED": GATED, "DENSE": DENSE, "DEEPSEEK": DEEPSEEK}
+
+
 @functools.cache
 def references(config_name: str) -> Record:
-    return reference({"CONFIG": CONFIG, "SIGMOID": SIGMOID, "GATED": GATED, "DENSE": DENSE}[config_name])
+    return reference(CONFIGS[config_name])
 
 
 def config_name(config: GPTConfig) -> str:
-    return next(name for name, known in (("SIGMOID", SIGMOID), ("GATED", GATED), ("DENSE", DENSE), ("CONFIG", CONFIG))
-                if config is known)
+    return next(name for name, known in CONFIGS.items() if config is known)
 
 
 def train_cases(rank, world_size, cases):

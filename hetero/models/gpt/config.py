@@ -68,6 +68,13 @@ class GPTConfig:
     dense_layers: list[int] = field(default_factory=list)
     gate: str = "softmax"  # the router's scores: softmax over experts, or each expert's sigmoid
     normalize_gates: bool = False  # rescale the chosen top_k scores to sum to 1
+    # DeepSeek-V3's routing: a per-expert bias added to the scores only to choose experts (a buffer, loaded,
+    # not trained), experts_groups groups of which each token picks its top_k experts within the
+    # groups_per_token groups whose two best scores sum highest, and the chosen gates times routed_scale
+    selection_bias: bool = False
+    expert_groups: int = 1
+    groups_per_token: int = 1
+    routed_scale: float = 1.0
     balance_loss: float = 0.0  # coefficient of the per-row load-balancing loss
     router_z_loss: float = 0.0  # coefficient of the router z-loss (logsumexp of the logits, squared)
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most ceil(factor·tokens·top_k/experts)
@@ -191,6 +198,7 @@ class GPTConfig:
         for name in ("shared_experts", "balance_loss", "router_z_loss", "capacity_factor"):
             if getattr(self, name) < 0:
                 errors.append(f"{field}.{name}={getattr(self, name)} must be >= 0")
+        errors += self._group_errors(field)
         if any(not 0 <= i < self.num_layers for i in self.dense_layers) or len(set(self.dense_layers)) == self.num_layers:
             errors.append(f"{field}.dense_layers={self.dense_layers} must name some of the layers 0..{self.num_layers - 1}, "
                           "not all")
@@ -208,6 +216,18 @@ class GPTConfig:
             errors.append(f"{module}.parallel.fsdp=true with experts runs at ep=1 and tp=1 (got ep={layout.ep}, "
                           f"tp={layout.tp}); turn fsdp off or set ep=1 and tp=1")
         return errors
+
+    def _group_errors(self, field: str) -> list[str]:
+        groups, per_token = self.expert_groups, self.groups_per_token
+        if groups == 1 and per_token == 1:
+            return []
+        if groups < 1 or self.num_experts % groups or self.num_experts // groups < 2:
+            return [f"{field}.expert_groups={groups} must divide {field}.num_experts={self.num_experts} into groups "
+                    "of at least 2 experts (a group is ranked by its two best scores)"]
+        if not 1 <= per_token <= groups or self.top_k > per_token * (self.num_experts // groups):
+            return [f"{field}.groups_per_token={per_token} must be in 1..{groups} and hold the top_k={self.top_k} "
+                    f"experts a token picks ({self.num_experts // groups} a group)"]
+        return []
 
     def _backend_errors(self, module: str, layout: Layout, options: ParallelOptions | None) -> list[str]:
         """What the chosen backend cannot run; the megatron backend's refusals."""
@@ -231,6 +251,11 @@ class GPTConfig:
     def _megatron_expert_errors(self, module: str, layout: Layout, options: ParallelOptions | None) -> list[str]:
         """The experts megatron-core's MoE layer runs with the native semantics (``megatron_router``)."""
         where, errors = f"{module}.model.backend=megatron", []
+        deepseek = {"selection_bias": self.selection_bias, "expert_groups": self.expert_groups != 1,
+                    "routed_scale": self.routed_scale != 1.0}
+        for name in (name for name, set_ in deepseek.items() if set_):
+            errors.append(f"{where} does not run {module}.model.{name}={getattr(self, name)} yet; use the native "
+                          "backend")
         if self.dense_layers:
             errors.append(f"{where} does not run dense layers among the experts' ({module}.model.dense_layers="
                           f"{self.dense_layers}) yet; use the native backend")

@@ -170,6 +170,8 @@ class GPT(nn.Module):
             elif isinstance(module, Experts):
                 for weight in (module.w1, module.w3, module.w2):
                     nn.init.normal_(weight, std=0.02)
+            elif isinstance(module, MoEFeedForward) and module.selection_bias is not None:
+                nn.init.zeros_(module.selection_bias)  # materialized from the meta device, it holds garbage
 
     def forward(
         self,

@@ -160,6 +160,8 @@ class MoEFeedForward(nn.Module, Routing):
         self.shared = (SwiGLU(config.hidden_size, config.shared_experts * config.expert_size)
                        if config.shared_experts else None)
         self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
+        self.selection_bias = (nn.Buffer(torch.zeros(config.num_experts, dtype=torch.float32))
+                               if config.selection_bias else None)
         self.dispatch: Dispatch = LocalExperts()
         self.row_group: dist.ProcessGroup | None = None  # ranks holding other tokens of the same rows (CP, TP)
         self.start_records(config.num_experts)
@@ -173,9 +175,11 @@ class MoEFeedForward(nn.Module, Routing):
         tokens = x.reshape(-1, hidden)
         logits = self.router(tokens).float()
         scores = logits.softmax(-1) if config.gate == "softmax" else logits.sigmoid()
-        gates, chosen = scores.topk(k, dim=-1)
+        chosen = self._choose(scores)
+        gates = scores.gather(1, chosen)
         if config.normalize_gates:
             gates = gates / gates.sum(-1, keepdim=True)
+        gates = gates * config.routed_scale if config.routed_scale != 1.0 else gates
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # assignments grouped by expert, in token order within each
         counts = torch.bincount(flat, minlength=num)
@@ -202,3 +206,15 @@ class MoEFeedForward(nn.Module, Routing):
                               accumulate=True)
         aux = self.aux_loss(config, logits, scores, row_counts, row_of, self.row_group)
         return with_aux_loss(out, aux * aux_scale)
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each token's top_k experts by its scores plus the selection bias, within its groups_per_token best
+        groups (each ranked by the sum of its two best) where the experts are grouped."""
+        config = self.config
+        choice = scores if self.selection_bias is None else scores + self.selection_bias
+        if config.expert_groups > 1:
+            grouped = choice.view(len(choice), config.expert_groups, -1)
+            best = grouped.topk(2, dim=-1).values.sum(-1).topk(config.groups_per_token, dim=-1).indices
+            allowed = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(1, best, True)
+            choice = choice.masked_fill(~allowed.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        return choice.topk(config.top_k, dim=-1).indices

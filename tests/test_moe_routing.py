@@ -1,0 +1,66 @@
+"""DeepSeek-V3's routing in hetero's MoE layer (``selection_bias``, ``expert_groups`` / ``groups_per_token``,
+``routed_scale``, sigmoid gates renormalized, a shared expert) against transformers' ``DeepseekV3MoE`` on the
+same weights: equal outputs, and each feature changes them (so the comparison would catch one left out)."""
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+from hetero.models.gpt.config import GPTConfig
+from hetero.models.gpt.moe import MoEFeedForward
+
+HIDDEN, EXPERT, EXPERTS = 32, 16, 8
+OURS = GPTConfig(vocab_size=64, hidden_size=HIDDEN, num_layers=1, num_heads=4, seq_len=16, num_experts=EXPERTS, top_k=2,
+                 expert_ffn_size=EXPERT, shared_experts=1, gate="sigmoid", normalize_gates=True, selection_bias=True,
+                 expert_groups=4, groups_per_token=2, routed_scale=2.5)
+
+
+def layers(ours: GPTConfig = OURS) -> tuple[DeepseekV3MoE, MoEFeedForward]:
+    config = transformers.DeepseekV3Config(hidden_size=HIDDEN, moe_intermediate_size=EXPERT, n_routed_experts=EXPERTS,
+                                           n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
+                                           routed_scaling_factor=2.5, norm_topk_prob=True)
+    torch.manual_seed(0)
+    theirs = DeepseekV3MoE(config)
+    with torch.no_grad():
+        for tensor in [*theirs.parameters(), *theirs.buffers()]:
+            tensor.copy_(torch.randn_like(tensor) * 0.3)
+    layer = MoEFeedForward(ours)
+    gate_up = theirs.experts.gate_up_proj
+    state = {"router.weight": theirs.gate.weight, "experts.w1": gate_up[:, :EXPERT], "experts.w3": gate_up[:, EXPERT:],
+             "experts.w2": theirs.experts.down_proj, "shared.w1.weight": theirs.shared_experts.gate_proj.weight,
+             "shared.w3.weight": theirs.shared_experts.up_proj.weight,
+             "shared.w2.weight": theirs.shared_experts.down_proj.weight}
+    if ours.selection_bias:
+        state["selection_bias"] = theirs.gate.e_score_correction_bias
+    layer.load_state_dict(state, strict=True)
+    return theirs, layer
+
+
+def test_deepseek_v3_routing_equals_transformers_and_each_feature_matters():
+    theirs, ours = layers()
+    x = torch.randn(3, 16, HIDDEN, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(x)
+        got = ours(x)
+    error = ((got - expected).abs().max() / expected.abs().max()).item()
+    print(f"\nDeepSeek-V3 routing: relative error {error:.1e}")
+    assert error < 1e-6
+    for change in (dict(selection_bias=False), dict(expert_groups=1, groups_per_token=1), dict(routed_scale=1.0)):
+        _, without = layers(replace(OURS, **change))
+        with torch.no_grad():
+            assert not torch.allclose(without(x), expected, rtol=1e-3, atol=1e-3), change
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(expert_groups=3), r"expert_groups=3 must divide .*num_experts=8"),
+    (dict(groups_per_token=5), r"groups_per_token=5 must be in 1\.\.4"),
+])
+def test_a_grouping_that_cannot_route_is_refused(fields, message):
+    from hetero.parallel.layout import Layout
+
+    errors = replace(OURS, **fields).errors("llm", Layout(tp=1, cp=1, dp=1, pp=1, ranks=(0,)))
+    assert any(re.search(message, e) for e in errors), errors

@@ -82,8 +82,9 @@ def _expert_major(arrived: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device="cpu")
 
 
-def shard_experts(experts: Experts, mesh) -> None:
-    """Keep this rank's experts as DTensor shards over the EP mesh (every rank built all of them alike)."""
+def shard_experts(experts: nn.Module, mesh) -> None:
+    """Keep this rank's experts (a ``moe.Experts``: stacked w1, w3, w2) as DTensor shards over the EP mesh
+    (every rank built all of them alike)."""
     index, size = mesh.get_local_rank(), mesh.size()
     for name in ("w1", "w3", "w2"):
         full = getattr(experts, name)

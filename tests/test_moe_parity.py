@@ -29,8 +29,8 @@ CONFIG = GPTConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num
 SIGMOID = replace(CONFIG, gate="sigmoid", normalize_gates=True, shared_experts=0)
 GATED = replace(CONFIG, shared_expert_gate=True)  # Qwen2-MoE's sigmoid gate on the shared experts' output
 DENSE = replace(CONFIG, dense_layers=[0, 2])  # a dense MLP in layers 0 and 2 (Qwen-MoE's mlp_only_layers)
-DEEPSEEK = replace(CONFIG, gate="sigmoid", normalize_gates=True, selection_bias=True, expert_groups=2,
-                   routed_scale=2.5)  # DeepSeek-V3's routing: two groups of two experts, a token's best group
+DEEPSEEK = replace(GATED, gate="sigmoid", normalize_gates=True, selection_bias=True, expert_groups=2,
+                   routed_scale=2.5)  # DeepSeek-V3's routing (two groups of two experts), a gated shared expert
 GLOBAL_BATCH, MICROBATCHES, STEPS, LR, SEED = 8, 4, 4, 1e-2, 1234
 KEYS = ("loss", "llm.balance_loss", "llm.z_loss")
 
@@ -40,9 +40,8 @@ LAYOUTS = {
     "ep2 sigmoid+checkpointing": ({"dp": 2, "ep": 2}, ParallelOptions(activation_checkpointing=True), SIGMOID),
     "ep2·tp2": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(), CONFIG),
     "ep2·tp2+sp": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(sequence_parallel=True), CONFIG),
-    "ep2·tp2 gated shared expert": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(), GATED),
     "ep2·tp2+sp dense layers 0 and 2": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(sequence_parallel=True), DENSE),
-    "ep2·tp2 deepseek routing": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(), DEEPSEEK),
+    "ep2·tp2 deepseek routing, gated shared expert": ({"tp": 2, "dp": 2, "ep": 2}, ParallelOptions(), DEEPSEEK),
     "ep2·pp2": ({"pp": 2, "dp": 2, "ep": 2}, ParallelOptions(), CONFIG),
     "tp2": ({"tp": 2}, ParallelOptions(), CONFIG),  # every expert on both ranks, each routing half the tokens
     "dp4 ep2": ({"dp": 4, "ep": 2}, ParallelOptions(), CONFIG),  # each expert's gradients summed over 2 replicas
@@ -67,7 +66,7 @@ def reference(config: GPTConfig) -> Record:
     return record_reference({"llm": model}, {"llm": OptimizerConfig(lr=LR)}, batches(config), losses)
 
 
-CONFIGS = {"CONFIG": CONFIG, "SIGMOID": SIGMOID, "GATED": GATED, "DENSE": DENSE, "DEEPSEEK": DEEPSEEK}
+CONFIGS = {"CONFIG": CONFIG, "SIGMOID": SIGMOID, "DENSE": DENSE, "DEEPSEEK": DEEPSEEK}
 
 
 @functools.cache

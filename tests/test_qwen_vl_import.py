@@ -159,7 +159,7 @@ def imported_logits(rank, world_size, path, batch):
     return None if logits is None else logits[1]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3-vl-moe"])  # its layout: test_moe_import
 def test_a_whole_qwen_vl_imports_under_layouts(tmp_path, family):
     path = write_qwen_vl(tmp_path / family.replace(", ", "-").replace(" ", "-"), family)
     expected = transformers_logits(path, family)

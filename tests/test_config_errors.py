@@ -310,6 +310,17 @@ CASES = {
              setter("llm.model.shared_expert_gate", True), setter("llm.model.backend", "megatron")),
         r"llm\.model\.backend=megatron does not run the shared experts' gate",
     ),
+    "the pooled balance loss over pipeline stages": (
+        both(setter("llm.model.num_experts", 4), setter("llm.model.balance_pooled", True),
+             setter("llm.layout", {"pp": 2, "tp": 2})),
+        r"llm\.model\.balance_pooled=true pools every MoE layer of a forward, and llm\.layout\.pp=2 puts them on "
+        r"different stages",
+    ),
+    "the pooled balance loss on the megatron backend": (
+        both(setter("llm.model.num_experts", 4), setter("llm.model.balance_pooled", True),
+             setter("llm.model.backend", "megatron")),
+        r"llm\.model\.backend=megatron does not compute the pooled balance loss",
+    ),
     "experts under fsdp and ep": (
         both(setter("llm.model.num_experts", 4), setter("llm.layout", {"dp": 4, "ep": 2}),
              setter("llm.parallel", {"fsdp": True})),

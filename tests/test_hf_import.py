@@ -96,11 +96,11 @@ def test_a_config_hetero_does_not_model_is_refused_by_name(changes, message):
     json.dumps(hf_config(**changes))  # a plain config.json
 
 
-def evaluated(rank, world_size, path, layout, batch):
+def evaluated(rank, world_size, path, layout, batch, parallel=None):
     from hetero.testing.kinds import build_runtime
     from hetero.testing.experiments import experiment, module
 
-    block = module("gpt", {"seq_len": batch["tokens"].shape[1]}, layout, init={"hf": str(path)})
+    block = module("gpt", {"seq_len": batch["tokens"].shape[1]}, layout, parallel=parallel, init={"hf": str(path)})
     runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=len(batch["tokens"]),
                                        microbatches=2 if layout.get("pp", 1) > 1 else 1))
     loss = runtime.evaluate([batch])["llm.loss"]

@@ -2,7 +2,7 @@
 ``hf_experts.py``): tiny random Qwen3-MoE and Mixtral models built offline with ``transformers``, every
 weight perturbed (Qwen2-MoE's shared expert and its gate too), saved in the hub's per-expert layout (``save_pretrained``) and in transformers 5's fused
 one (its in-memory state as is); logits equal to transformers' within 1e-5 (fp32) in one process and under
-ep2 and ep2·tp2, each EP rank reading only its own experts' bytes. Exported back bit for bit in the
+ep2, ep2·tp2 with SP and ep2·pp2, each EP rank reading only its own experts' bytes. Exported back bit for bit in the
 source's layout; a hetero MoE from scratch exported as Qwen3-MoE or Mixtral by its routing (the megatron
 backend's import and export: ``test_megatron_backend``)."""
 
@@ -20,6 +20,7 @@ from hetero.models.gpt.model import GPT
 
 SIZES = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=64, num_experts_per_tok=2)
+GLM = "glm-4-moe: deepseek routing, a shared expert, a dense first layer, partial rotary"
 CASES = {
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4, head_dim=16)),
@@ -34,6 +35,13 @@ CASES = {
     "qwen2-moe: a gated shared expert, q/k/v biases": (
         "Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4,
                                                       shared_expert_intermediate_size=32)),
+    # DeepSeek-V3's routing (a selection bias, 4 groups of which a token keeps 2, a routed scale), a shared
+    # expert, a dense first layer, partial rotary (half of each head), q/k norm and q/k/v biases
+    GLM: ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+          dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, n_group=4, topk_group=2,
+               routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+               head_dim=16, attention_bias=True, use_qk_norm=True, norm_topk_prob=True,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
 
 
@@ -44,6 +52,9 @@ def saved(path, case: str, fused: bool = False):
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # 0 as built: then a left-out bias would not show
+                buffer.add_(torch.randn_like(buffer) * 0.3)
     model.save_pretrained(path)
     if fused:  # transformers 5's in-memory layout: gate_up_proj (E, 2·ffn, hidden), down_proj (E, hidden, ffn)
         state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
@@ -68,12 +79,17 @@ def test_an_imported_moe_gives_transformers_logits(tmp_path, case, fused):
     assert error < 1e-5
 
 
-@pytest.mark.parametrize("case,layout", [("qwen3-moe renormalized", {"ep": 2, "dp": 2}),
-                                         ("mixtral", {"ep": 2, "tp": 2, "dp": 2})],
-                         ids=["qwen3-moe ep2", "mixtral ep2·tp2"])  # Qwen2-MoE at ep2·tp2: test_moe_training
-def test_an_imported_moe_under_expert_parallelism_gives_transformers_logits_reading_its_experts(tmp_path, case, layout):
-    """Every rank's loss and logits equal transformers'; each rank reads the whole of every other weight it
-    holds (its TP shard of them under tp2) and exactly its EP group's half of the experts' bytes."""
+@pytest.mark.parametrize("case,layout,parallel", [
+    ("qwen3-moe renormalized", {"ep": 2, "dp": 2}, None),
+    ("mixtral", {"ep": 2, "tp": 2, "dp": 2}, {"sequence_parallel": True}),
+    ("qwen2-moe: a gated shared expert, q/k/v biases", {"ep": 2, "pp": 2, "dp": 2}, None),
+    (GLM, {"ep": 2, "tp": 2, "dp": 2}, None),
+], ids=["qwen3-moe ep2", "mixtral ep2·tp2+sp", "qwen2-moe ep2·pp2", "glm-4-moe ep2·tp2"])  # ep2·tp2 without SP: test_moe_training
+def test_an_imported_moe_under_expert_parallelism_gives_transformers_logits_reading_its_experts(
+        tmp_path, case, layout, parallel):
+    """Every rank's loss and every last-stage rank's logits equal transformers'; at ep2 each rank reads the
+    whole of every other weight and exactly its EP group's half of the experts' bytes (under tp2 its TP
+    shards, under pp2 its stage's layers: not a round share)."""
     from test_hf_import import evaluated
 
     from hetero.testing.multiprocess import run_ranks
@@ -84,19 +100,21 @@ def test_an_imported_moe_under_expert_parallelism_gives_transformers_logits_read
     with torch.no_grad():
         logits = reference(tokens).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
-    world = layout.get("tp", 1) * layout["dp"]
-    results = run_ranks(evaluated, world, tmp_path, layout, {"tokens": tokens, "labels": labels})
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout["dp"]
+    results = run_ranks(evaluated, world, tmp_path, layout, {"tokens": tokens, "labels": labels}, parallel)
     checkpoint = HFCheckpoint(tmp_path)
     sizes = {name: t.numel() * t.element_size() for name, t in checkpoint.tensors(checkpoint.names())}
     experts = sum(size for name, size in sizes.items() if ".experts." in name)
-    errors = [((got - logits[:, where]).abs().max() / logits.abs().max()).item() for *_, (where, got) in results]
+    errors = [((got - logits[:, where]).abs().max() / logits.abs().max()).item()
+              for *_, last in results if last is not None for where, got in [last]]
+    assert len(errors) == world // layout.get("pp", 1)
     print(f"\n{case} {layout}: loss rel. errors " + ", ".join(f"{abs(r[0] - expected) / expected:.1e}" for r in results)
           + "; logits rel. errors " + ", ".join(f"{e:.1e}" for e in errors)
           + f"; bytes read per rank {[r[1] for r in results]} of {sum(sizes.values())} (experts {experts})")
     assert all(error < 1e-5 for error in errors), errors
     for loss, read, _ in results:
         assert abs(loss - expected) / expected < 1e-5, (loss, expected)
-    if layout.get("tp", 1) == 1:  # TP splits the others by rows or columns, norms whole: not a round share
+    if len(layout) == 2:  # ep·dp alone
         assert all(read == sum(sizes.values()) - experts // 2 for _, read, _ in results)
 
 
@@ -108,6 +126,30 @@ def test_a_routing_hetero_does_not_model_is_refused_by_name(changes, message):
               "intermediate_size": 48, "moe_intermediate_size": 24, "num_experts": 4, "hidden_act": "silu"}
     with pytest.raises(ConfigError, match=message):
         gpt_config(json.loads(json.dumps(fields | changes)))
+
+
+@pytest.mark.parametrize("config_class,message", [
+    ("GptOssConfig", "attention sinks and its clamped SwiGLU"),
+    ("DeepseekV3Config", r"multi-head latent attention \(MLA"),
+    ("OlmoeConfig", "spans all heads"),
+])
+def test_a_family_hetero_does_not_model_is_refused_naming_what_is_missing(config_class, message):
+    """transformers' own config of the family (its defaults, as its config.json has them)."""
+    fields = getattr(transformers, config_class)().to_dict()
+    fields["architectures"] = [config_class.replace("Config", "ForCausalLM")]
+    with pytest.raises(ConfigError, match=rf"architectures=\['{fields['architectures'][0]}'\] is not imported: .*{message}"):
+        gpt_config(json.loads(json.dumps(fields)))
+
+
+@pytest.mark.parametrize("quantization", [
+    {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+    {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
+], ids=["fp8 (DeepSeek-V3's)", "mxfp4 (gpt-oss's)"])
+def test_quantized_hub_weights_are_refused_until_dequantized(tmp_path, quantization):
+    saved(tmp_path, "qwen3-moe")
+    fields = HFCheckpoint(tmp_path).config | {"quantization_config": quantization}
+    with pytest.raises(ConfigError, match=rf"quant_method='{quantization['quant_method']}'.*dequantize the checkpoint"):
+        gpt_config(fields)
 
 
 def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):
@@ -124,7 +166,7 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert files", "fused files"])
 @pytest.mark.parametrize("case", ["qwen3-moe renormalized", "mixtral", "qwen2-moe: a gated shared expert, q/k/v biases",
-                                  "qwen3-moe: a dense first layer, experts every second layer"])
+                                  "qwen3-moe: a dense first layer, experts every second layer", GLM])
 def test_an_imported_moe_exports_bit_for_bit_in_its_sources_layout(tmp_path, case, fused):
     from hetero.interop.hf_export import hf_tensors
     from hetero.models import default_registry
@@ -139,6 +181,39 @@ def test_an_imported_moe_exports_bit_for_bit_in_its_sources_layout(tmp_path, cas
     assert sorted(written) == sorted(source.names())
     for name, tensor in source.tensors(source.names()):
         assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
+
+
+def test_glm_multi_token_prediction_layers_are_passed_over_and_carried_back(tmp_path):
+    """GLM-4.5's hub files hold its multi-token prediction layer after the last (``num_nextn_predict_layers``),
+    which transformers does not build: hetero's import passes over it, its export writes it back as it was;
+    without ``num_nextn_predict_layers`` such a layer is refused."""
+    from safetensors.torch import load_file
+
+    from hetero.interop.hf_export import hf_tensors
+    from hetero.models import default_registry
+    from hetero.models.gpt.hf import check_weights
+
+    saved(tmp_path, GLM)
+    layer = CASES[GLM][2]["num_hidden_layers"]
+    state = load_file(tmp_path / "model.safetensors")
+    ahead = {f"model.layers.{layer}.eh_proj.weight": torch.randn(32, 64), f"model.layers.{layer}.enorm.weight": torch.randn(32),
+             f"model.layers.{layer}.self_attn.q_proj.weight": torch.randn(64, 32)}
+    save_file(state | ahead, tmp_path / "model.safetensors")
+    source = HFCheckpoint(tmp_path)
+    assert source.config["num_nextn_predict_layers"] == 1
+    config = gpt_config(source.config)
+    check_weights(source, config)
+    model = GPT(config)
+    load_gpt(model, tmp_path)
+    export = default_registry()["gpt"].hf_export(config, source)
+    assert sorted(export.carried) == sorted(ahead)
+    written = hf_tensors(export, source, model.state_dict().items())  # the writers add the carried tensors
+    written |= {name: source.tensor(carried) for name, carried in export.carried.items()}
+    assert sorted(written) == sorted(source.names())
+    assert all(torch.equal(written[name], tensor) for name, tensor in ahead.items())
+    source.config["num_nextn_predict_layers"] = 0
+    with pytest.raises(ConfigError, match=rf"HF weight 'model\.layers\.{layer}\.eh_proj\.weight' has no place"):
+        check_weights(source, config)
 
 
 @pytest.mark.parametrize("family,fields", [("Qwen3MoeForCausalLM", dict(qk_norm=True, normalize_gates=False)),

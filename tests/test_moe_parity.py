@@ -26,11 +26,12 @@ from test_gpt_parity import batches as gpt_batches
 
 CONFIG = GPTConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, seq_len=16,
                    num_experts=4, top_k=2, expert_ffn_size=32, shared_experts=1, balance_loss=0.01, router_z_loss=0.001)
-SIGMOID = replace(CONFIG, gate="sigmoid", normalize_gates=True, shared_experts=0)
+SIGMOID = replace(CONFIG, gate="sigmoid", normalize_gates=True, shared_experts=0, router_fp32=True)
 GATED = replace(CONFIG, shared_expert_gate=True)  # Qwen2-MoE's sigmoid gate on the shared experts' output
 DENSE = replace(CONFIG, dense_layers=[0, 2])  # a dense MLP in layers 0 and 2 (Qwen-MoE's mlp_only_layers)
 DEEPSEEK = replace(GATED, gate="sigmoid", normalize_gates=True, selection_bias=True, expert_groups=2,
-                   routed_scale=2.5)  # DeepSeek-V3's routing (two groups of two experts), a gated shared expert
+                   routed_scale=2.5, router_fp32=True)  # DeepSeek-V3's routing (two groups of two experts, its
+# router outside autocast: the same in fp32, test_moe_routing checks it under bf16), a gated shared expert
 GLOBAL_BATCH, MICROBATCHES, STEPS, LR, SEED = 8, 4, 4, 1e-2, 1234
 KEYS = ("loss", "llm.balance_loss", "llm.z_loss")
 

@@ -1,6 +1,7 @@
 """DeepSeek-V3's routing in hetero's MoE layer (``selection_bias``, ``expert_groups`` / ``groups_per_token``,
 ``routed_scale``, sigmoid gates renormalized, a shared expert) against transformers' ``DeepseekV3MoE`` on the
-same weights: equal outputs, and each feature changes them (so the comparison would catch one left out)."""
+same weights: equal outputs, and each feature changes them (so the comparison would catch one left out).
+The router in fp32 under bf16 autocast (``router_fp32``)."""
 
 import re
 from dataclasses import replace
@@ -53,6 +54,24 @@ def test_deepseek_v3_routing_equals_transformers_and_each_feature_matters():
         _, without = layers(replace(OURS, **change))
         with torch.no_grad():
             assert not torch.allclose(without(x), expected, rtol=1e-3, atol=1e-3), change
+
+
+def test_router_fp32_routes_under_bf16_autocast_as_in_fp32():
+    """With ``router_fp32`` the router's logits under bf16 autocast are fp32's, bit for bit (so near-tied
+    experts are chosen as in fp32); without it they are bf16's."""
+    _, layer = layers(replace(OURS, router_fp32=True))
+    x = torch.randn(3, 16, HIDDEN, generator=torch.Generator().manual_seed(1))
+    seen = []
+    layer.router.register_forward_hook(lambda module, inputs, output: seen.append(output))
+    with torch.no_grad():
+        layer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x)
+            layer.config = replace(OURS, router_fp32=False)
+            layer(x)
+    fp32, autocast, plain = seen
+    assert autocast.dtype == torch.float32 and torch.equal(autocast, fp32)
+    assert plain.dtype == torch.bfloat16 and not torch.equal(plain.float(), fp32)
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -1,7 +1,10 @@
 """Three steps of an imported mixture of experts trained by hetero at ep2·tp2 against the same model trained
 the same three steps in transformers with ``torch.optim.AdamW``: each step's loss, the pre-clip gradient
-norm and every weight's step-1 gradient on every replica (``check_parity``, 1e-5). No auxiliary loss on
-either side (hetero's ``balance_loss`` 0, transformers' ``output_router_logits`` off)."""
+norm and every weight's step-1 gradient on every replica (``check_parity``, 1e-5). Qwen3-MoE trains with
+transformers' own pooled load-balancing loss (``router_aux_loss_coef``; hetero's ``balance_pooled``): each of
+hetero's forwards (a microbatch of 2 rows on one DP rank) pools its own, as each device's forward does in
+transformers under data parallelism and gradient accumulation, so the reference runs the model on those
+rows, its ``aux_loss`` averaged. Qwen2-MoE trains without an auxiliary loss."""
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from hetero.testing.parity import Record, check_parity, record_run
 from test_moe_import import SIZES, saved
 
 STEPS, ROWS, SEQ = 3, 8, 24
+DEVICE_BATCH = 2  # rows of one forward of hetero's at tp2·dp2 with 2 microbatches (rows 0-1, 2-3, ...)
+CASES = {"qwen3-moe renormalized": 0.05, "qwen2-moe: a gated shared expert, q/k/v biases": 0.0}  # the aux loss's coefficient
 OPTIM = OptimizerConfig(lr=2e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
 
 
@@ -41,7 +46,7 @@ def hetero_names(name: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
     return {f"llm.{gpt_name(name)}": grad}
 
 
-def transformers_run(path) -> Record:
+def transformers_run(path, coefficient: float) -> Record:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
@@ -49,10 +54,14 @@ def transformers_run(path) -> Record:
                                   weight_decay=0.0)
     record = Record()
     for step, batch in enumerate(batches()):
-        logits = model(batch["tokens"]).logits
+        if coefficient:  # transformers' aux_loss: load_balancing_loss_func over one forward's rows
+            outs = [model(tokens, output_router_logits=True) for tokens in batch["tokens"].split(DEVICE_BATCH)]
+            logits, aux = torch.cat([out.logits for out in outs]), torch.stack([out.aux_loss for out in outs]).mean()
+        else:
+            logits, aux = model(batch["tokens"]).logits, torch.zeros(())
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-        loss.backward()
-        record.losses.append([loss.item()])
+        (loss + coefficient * aux).backward()
+        record.losses.append([loss.item()] + ([coefficient * aux.item()] if coefficient else []))
         grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
         record.grad_norms.append(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item())
         if step == 0:
@@ -63,15 +72,16 @@ def transformers_run(path) -> Record:
     return record
 
 
-def hetero_run(rank, world_size, path):
-    block = module("gpt", {"seq_len": SEQ}, {"tp": 2, "dp": 2, "ep": 2}, OPTIM, init={"hf": str(path)})
-    runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=ROWS, microbatches=2))
-    return record_run(runtime, batches())
+def hetero_run(rank, world_size, path, coefficient: float):
+    pooled = {"balance_loss": coefficient, "balance_pooled": True} if coefficient else {}
+    block = module("gpt", {"seq_len": SEQ} | pooled, {"tp": 2, "dp": 2, "ep": 2}, OPTIM, init={"hf": str(path)})
+    runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=ROWS, microbatches=ROWS // 2 // DEVICE_BATCH))
+    return record_run(runtime, batches(), ("loss", "llm.balance_loss") if coefficient else ("loss",))
 
 
-@pytest.mark.parametrize("case", ["qwen3-moe renormalized", "qwen2-moe: a gated shared expert, q/k/v biases"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_three_steps_of_an_imported_moe_at_ep2_tp2_equal_transformers_with_adamw(tmp_path, case):
     saved(tmp_path, case)
-    ours = run_ranks(hetero_run, 4, tmp_path, timeout_s=300)
-    theirs = transformers_run(tmp_path)
+    ours = run_ranks(hetero_run, 4, tmp_path, CASES[case], timeout_s=300)
+    theirs = transformers_run(tmp_path, CASES[case])
     print("\n" + check_parity(ours, theirs, f"{case}: hetero at ep2·tp2 against transformers, {STEPS} AdamW steps"))

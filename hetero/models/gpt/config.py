@@ -45,6 +45,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     head_dim: int | None = None  # default hidden_size // num_heads
+    rotary_dim: int | None = None  # RoPE turns the first rotary_dim channels of each head (GLM-4's partial rotary); default all
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys before RoPE (Qwen3)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
@@ -75,7 +76,13 @@ class GPTConfig:
     expert_groups: int = 1
     groups_per_token: int = 1
     routed_scale: float = 1.0
+    # the router's logits computed in fp32 also under bf16 autocast (DeepSeek-V3's router; Megatron's
+    # moe_router_dtype=fp32): near-tied experts are then chosen as in fp32
+    router_fp32: bool = False
     balance_loss: float = 0.0  # coefficient of the per-row load-balancing loss
+    # the load-balancing loss as transformers' load_balancing_loss_func computes it instead: every MoE layer's
+    # softmax routing pooled over a forward's whole batch (a microbatch on one DP rank), averaged over them
+    balance_pooled: bool = False
     router_z_loss: float = 0.0  # coefficient of the router z-loss (logsumexp of the logits, squared)
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes at most ceil(factor·tokens·top_k/experts)
     backend: str = "native"  # one of BACKENDS
@@ -87,6 +94,10 @@ class GPTConfig:
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def rotary_size(self) -> int:
+        return self.rotary_dim or self.head_size
 
     @property
     def ffn_size(self) -> int:
@@ -129,6 +140,9 @@ class GPTConfig:
                 f"{module}.model: each head is {self.head_size} wide (hidden_size={self.hidden_size} / "
                 f"num_heads={self.num_heads}, or head_dim), but rotary embeddings turn pairs of channels; make it even"
             )
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size):
+            errors.append(f"{module}.model.rotary_dim={self.rotary_dim} must be even and in 2..{self.head_size} "
+                          "(the head's width)")
         errors += self._mrope_errors(module) + self._deepstack_errors(module, layout)
         if self.tie_embeddings and layout.pp > 1:
             errors.append(
@@ -156,14 +170,14 @@ class GPTConfig:
         )
 
     def _mrope_errors(self, module: str) -> list[str]:
-        sections, half = list(self.mrope_sections), self.head_size // 2
+        sections, half = list(self.mrope_sections), self.rotary_size // 2
         if not sections:
             return [f"{module}.model.mrope_interleaved=true needs mrope_sections"] if self.mrope_interleaved else []
         field = f"{module}.model.mrope_sections={sections}"
         if len(sections) != 3 or min(sections) < 0:
             return [f"{field} must be three counts of frequencies (temporal, height, width), each >= 0"]
         if sum(sections) != half:
-            return [f"{field} sum to {sum(sections)}, but a head of {self.head_size} channels turns {half} "
+            return [f"{field} sum to {sum(sections)}, but a head turning {self.rotary_size} channels turns {half} "
                     f"frequencies; make them sum to {half}"]
         if self.mrope_interleaved and (3 * sections[1] > half + 1 or 3 * sections[2] > half):
             return [f"{field} with mrope_interleaved=true: height takes frequencies 1, 4, 7, ... and width "
@@ -202,6 +216,12 @@ class GPTConfig:
         if any(not 0 <= i < self.num_layers for i in self.dense_layers) or len(set(self.dense_layers)) == self.num_layers:
             errors.append(f"{field}.dense_layers={self.dense_layers} must name some of the layers 0..{self.num_layers - 1}, "
                           "not all")
+        if self.balance_pooled and layout.pp > 1:
+            errors.append(f"{field}.balance_pooled=true pools every MoE layer of a forward, and {module}.layout.pp="
+                          f"{layout.pp} puts them on different stages; use pp=1 or the per-row balance loss")
+        if self.balance_pooled and options is not None and options.activation_checkpointing:
+            errors.append(f"{field}.balance_pooled=true does not run under {module}.parallel.activation_checkpointing="
+                          "true (the recomputed layers would pool again); turn one off")
         if self.shared_expert_gate and not self.shared_experts:
             errors.append(f"{field}.shared_expert_gate=true gates the shared experts, and {field}.shared_experts=0")
         if self.num_experts % layout.ep:
@@ -242,6 +262,9 @@ class GPTConfig:
         if layout.cp > 1:
             errors.append(f"{where} does not run context parallelism ({module}.layout.cp={layout.cp}): "
                           "megatron-core's CP attention needs TransformerEngine; use backend=native for cp > 1")
+        if self.rotary_dim is not None and self.rotary_dim != self.head_size:
+            errors.append(f"{where} turns every channel of a head ({module}.model.rotary_dim={self.rotary_dim}); use "
+                          "the native backend")
         if self.moe:
             errors += self._megatron_expert_errors(module, layout, options)
         if options is not None and options.fsdp:
@@ -256,6 +279,9 @@ class GPTConfig:
         for name in (name for name, set_ in deepseek.items() if set_):
             errors.append(f"{where} does not run {module}.model.{name}={getattr(self, name)} yet; use the native "
                           "backend")
+        if self.balance_pooled:
+            errors.append(f"{where} does not compute the pooled balance loss ({module}.model.balance_pooled=true); "
+                          "use the native backend")
         if self.dense_layers:
             errors.append(f"{where} does not run dense layers among the experts' ({module}.model.dense_layers="
                           f"{self.dense_layers}) yet; use the native backend")

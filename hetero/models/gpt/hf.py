@@ -3,17 +3,21 @@ weights renamed.
 
 Architectures: ``LlamaForCausalLM`` (Llama 2, 3.x), ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (biases
 on q, k, v), ``Qwen3ForCausalLM`` (RMSNorm of q and k per head, its own head_dim), and the mixtures of
-experts ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (every layer's MLP top-k of
-softmax-routed SwiGLU experts, renormalized as ``norm_topk_prob`` says, always for Mixtral; Qwen2-MoE's
-shared expert and its sigmoid gate as hetero's shared experts and ``shared_expert_gate``; the experts in
-either key layout,
-``hf_experts``; exported back in the layout they came in, and a GPT with experts trained from scratch as
-the family its routing matches, ``hf_config``). Their ``router_aux_loss_coef`` is not mapped: hetero's ``balance_loss`` is a per-row
-loss that transformers' pooled one is not, and stays as the module's YAML sets it. GQA, RoPE theta and
-the ``llama3`` and ``yarn`` scalings, tied embeddings and the RMSNorm eps carry over. A field hetero does
-not model, or a value it does not model (another activation, sliding-window attention that the
-sequence reaches, biases on the output projection), is refused by name. Fields that do not change what
-the weights compute (token ids, dtype, caching, initialization) are passed over: ``BOOKKEEPING``.
+experts ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` (top-k of softmax-routed
+SwiGLU experts, renormalized as ``norm_topk_prob`` says, always for Mixtral; Qwen2-MoE's shared expert and
+its sigmoid gate as hetero's shared experts and ``shared_expert_gate``) and ``Glm4MoeForCausalLM``
+(DeepSeek-V3's sigmoid routing with its selection bias, groups and routed scale, the router in fp32,
+ungated shared experts, dense first layers, partial rotary as ``rotary_dim``; its multi-token prediction
+layers are passed over and carried back). The experts are read in either key layout (``hf_experts``),
+exported back in the layout they came in, and a GPT with experts trained from scratch goes out as the
+family its routing matches (``hf_config``). Their ``router_aux_loss_coef`` is not mapped: hetero's
+``balance_loss`` is a per-row loss that transformers' pooled one is not (``balance_pooled`` computes that
+one), and stays as the module's YAML sets it. GQA, RoPE theta and the ``llama3`` and ``yarn`` scalings,
+tied embeddings and the RMSNorm eps carry over. A field hetero does not model, or a value it does not
+model (another activation, sliding-window attention that the sequence reaches, biases on the output
+projection), is refused by name, as are the families of ``NOT_MODELLED`` and quantized weights. Fields
+that do not change what the weights compute (token ids, dtype, caching, initialization) are passed over:
+``BOOKKEEPING``.
 
 HF's Llama layout already rotates by halves, as hetero's RoPE does: q and k are not permuted.
 """
@@ -34,7 +38,19 @@ from hetero.models.gpt.model import GPT
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
-                 "Qwen2MoeForCausalLM": "qwen2_moe"}
+                 "Qwen2MoeForCausalLM": "qwen2_moe", "Glm4MoeForCausalLM": "glm4_moe"}
+
+# Families hetero knows and does not import, with what is missing: named in the refusal instead of the
+# generic list of what it imports.
+NOT_MODELLED = {
+    "GptOssForCausalLM": "gpt-oss's attention sinks and its clamped SwiGLU (with biases and alpha) are not modelled",
+    "DeepseekV3ForCausalLM": "multi-head latent attention (MLA: low-rank q and kv, a separate rotary part per head) "
+                             "is not modelled; its routing is (selection_bias, expert_groups, routed_scale)",
+    "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) is not modelled",
+    "OlmoeForCausalLM": "its q and k RMSNorm spans all heads (hidden-wide), while hetero's q/k norm is per head",
+    "Qwen3NextForCausalLM": "gated delta-net (linear attention) layers are not modelled",
+    "Llama4ForCausalLM": "chunked attention, no-rope layers and its interleaved experts are not modelled",
+}
 
 BOOKKEEPING = {
     "architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache",
@@ -52,11 +68,13 @@ MODELLED = {
     "mlp_bias", "pretraining_tp", "sliding_window", "use_sliding_window", "layer_types", TRAINED_LENGTH, DEEPSTACK,
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise", "shared_expert_intermediate_size", "qkv_bias",
+    "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
+    "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers",
 }
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
               "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "truncate", "mrope_section",
-              "mrope_interleaved"}
+              "mrope_interleaved", "partial_rotary_factor"}
 
 
 def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPTConfig:
@@ -65,11 +83,20 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
     ``max_position_embeddings``)."""
     where = f"{module}.init.hf config.json"
     architectures = hf.get("architectures") or []
+    for name in architectures:
+        if name in NOT_MODELLED:
+            raise ConfigError(f"{where}: architectures=[{name!r}] is not imported: {NOT_MODELLED[name]}")
     unknown = [a for a in architectures if a not in ARCHITECTURES]
     if not architectures or unknown:
         raise ConfigError(f"{where}: architectures={architectures} is not one hetero imports; it imports "
                           f"{', '.join(ARCHITECTURES)}")
     family = ARCHITECTURES[architectures[0]]
+    quantized = hf.get("quantization_config")
+    if quantized is not None:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
+        raise ConfigError(f"{where}: quantization_config (quant_method={method!r}) means quantized weights, which "
+                          "hetero does not read; dequantize the checkpoint to bf16 or fp32 first (transformers: "
+                          "load it with its dequantize option and save_pretrained) and import that copy")
     extra = sorted(set(hf) - MODELLED - BOOKKEEPING)
     if extra:
         raise ConfigError(f"{where}: hetero does not model the field(s) {', '.join(extra)}; "
@@ -86,7 +113,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         refuse("mlp_bias", True, "hetero's MLP has no biases")
     if hf.get("pretraining_tp", 1) != 1:
         refuse("pretraining_tp", hf["pretraining_tp"], "only 1 computes the plain projections")
-    if family != "qwen2" and hf.get("attention_bias", False):
+    if family not in ("qwen2", "glm4_moe") and hf.get("attention_bias", False):
         refuse("attention_bias", True, "it adds a bias to the output projection too; hetero biases q, k, v only")
     length = seq_len or hf.get(TRAINED_LENGTH) or hf["max_position_embeddings"]
     window = hf.get("sliding_window")
@@ -100,9 +127,10 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         refuse("layer_types", sorted(set(layer_types)), "every layer attends to the full sequence in hetero")
     theta, scaling = _rope(hf, where)
     sections, interleaved = _mrope(hf)
-    experts = _experts(hf, family, refuse) if family in ("qwen3_moe", "mixtral", "qwen2_moe") else {}
+    experts = _experts(hf, family, refuse) if family in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe") else {}
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
+    rotary = _rotary_dim(hf, head_dim or hf["hidden_size"] // heads)
     return GPTConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -110,8 +138,10 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         head_dim=head_dim if head_dim and head_dim != hf["hidden_size"] // heads else None,
-        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
-        qk_norm=family in ("qwen3", "qwen3_moe"), rope_scaling=scaling, mrope_sections=sections,
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+        or (family == "glm4_moe" and bool(hf.get("attention_bias", False))),
+        qk_norm=family in ("qwen3", "qwen3_moe") or (family == "glm4_moe" and bool(hf.get("use_qk_norm", False))),
+        rotary_dim=rotary, rope_scaling=scaling, mrope_sections=sections,
         mrope_interleaved=interleaved, deepstack_layers=list(hf.get(DEEPSTACK, [])), **experts,
     )
 
@@ -120,6 +150,13 @@ def _experts(hf: dict, family: str, refuse) -> dict:
     """The GPT config's expert fields of a Qwen3-MoE or Mixtral config."""
     if hf.get("router_jitter_noise", 0.0):
         refuse("router_jitter_noise", hf["router_jitter_noise"], "hetero's router adds no noise")
+    if family == "glm4_moe":  # DeepSeek-V3's routing, its router in fp32
+        return dict(num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
+                    expert_ffn_size=hf["moe_intermediate_size"], normalize_gates=bool(hf.get("norm_topk_prob", True)),
+                    gate="sigmoid", selection_bias=True, expert_groups=hf.get("n_group") or 1,
+                    groups_per_token=hf.get("topk_group") or 1, routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
+                    shared_experts=hf.get("n_shared_experts") or 0,
+                    dense_layers=list(range(hf.get("first_k_dense_replace") or 0)), router_fp32=True)
     if family == "mixtral":
         return dict(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                     expert_ffn_size=hf["intermediate_size"], normalize_gates=True)
@@ -136,6 +173,20 @@ def _experts(hf: dict, family: str, refuse) -> dict:
         refuse("shared_expert_intermediate_size", shared, f"hetero's shared experts are whole experts of "
                f"moe_intermediate_size={width}")
     return routed | dict(shared_experts=shared // width, shared_expert_gate=True)
+
+
+def _rotary_dim(hf: dict, head_dim: int) -> int | None:
+    """The channels of a head RoPE turns under partial rotary (``partial_rotary_factor``); None: all."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    return None if factor == 1.0 else int(head_dim * factor)
+
+
+def beyond_layers(name: str, config: GPTConfig) -> bool:
+    """Whether HF weight ``name`` belongs to a layer past the GPT's (GLM-4-MoE's multi-token prediction
+    layers, ``num_nextn_predict_layers``): passed over on import, carried back on export."""
+    match = _LAYER.fullmatch(name)
+    return match is not None and int(match.group(1)) >= config.num_layers
 
 
 def _rope(hf: dict, where: str) -> tuple[float, RopeScaling]:
@@ -184,16 +235,23 @@ _IN_LAYER = {
     "mlp.shared_expert.down_proj": "feed_forward.shared.w2", "mlp.shared_expert_gate": "feed_forward.shared_gate",
 }
 _MIXTRAL = {"block_sparse_moe.gate": "feed_forward.router", "block_sparse_moe.experts": "feed_forward.experts"}
+# GLM-4-MoE's (and DeepSeek's) ungated shared experts, read in; written as the source spelled them (``weight_names``)
+_SHARED_EXPERTS = {f"mlp.shared_experts.{theirs}": f"feed_forward.shared.{ours}"
+                   for theirs, ours in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))}
+_SELECTION_BIAS = ("mlp.gate.e_score_correction_bias", "feed_forward.selection_bias")  # whole names in a layer
 _TOP = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output"}
 
 
 def gpt_name(hf_name: str) -> str:
     """hetero's name of HF weight ``hf_name`` (``model.layers.3.mlp.up_proj.weight`` -> ``layers.3.feed_forward.w3.weight``)."""
     module, _, leaf = hf_name.rpartition(".")
+    if (match := _LAYER.fullmatch(hf_name)) and match.group(2) == _SELECTION_BIAS[0]:
+        return f"layers.{match.group(1)}.{_SELECTION_BIAS[1]}"
     if match := _LAYER.fullmatch(module):
         layer, inner = match.groups()
-        if inner in _IN_LAYER or inner in _MIXTRAL:
-            return f"layers.{layer}.{_IN_LAYER.get(inner) or _MIXTRAL[inner]}.{leaf}"
+        for names in (_IN_LAYER, _MIXTRAL, _SHARED_EXPERTS):
+            if inner in names:
+                return f"layers.{layer}.{names[inner]}.{leaf}"
     elif module in _TOP:
         return f"{_TOP[module]}.{leaf}"
     raise ConfigError(f"HF weight {hf_name!r} has no place in hetero's GPT")
@@ -209,7 +267,9 @@ def check_weights(checkpoint: HFCheckpoint, config: GPTConfig, module: str = "ll
     """Refuse a checkpoint holding a weight the GPT has no place for (an output projection's bias, a
     layer past ``num_layers``), or lacking one it needs: nothing is silently left out."""
     where = f"{module}.init.hf ({checkpoint.path})"
-    have = {gpt_name(name) for name in text_weights(checkpoint, config, module).names()}
+    ahead = checkpoint.config.get("num_nextn_predict_layers") or 0  # layers past the GPT's, passed over
+    have = {gpt_name(name) for name in text_weights(checkpoint, config, module).names()
+            if not (ahead and beyond_layers(name, config))}
     names = weight_names(config)
     need = {name for name in gpt_weights(config) if names(name) is not None}
     if extra := sorted(have - need - {"output.weight"}):
@@ -224,14 +284,15 @@ def gpt_weights(config: GPTConfig) -> list[str]:
         return list(GPT(config).state_dict())
 
 
-def weight_names(config: GPTConfig, moe_block: str = "mlp"):
+def weight_names(config: GPTConfig, moe_block: str = "mlp", shared: str = "shared_expert"):
     """HF's name of each weight of a GPT of ``config``, None for an output layer tied to the embedding;
     ``moe_block``: what the checkpoint calls a layer's mixture of experts (Mixtral's hub files:
-    ``block_sparse_moe``)."""
+    ``block_sparse_moe``); ``shared``: its shared experts (Qwen2-MoE's ``shared_expert``, GLM-4-MoE's
+    ``shared_experts``)."""
     def name_of(name: str) -> str | None:
         if config.tie_embeddings and name == "output.weight":
             return None
-        theirs = hf_name(name)
+        theirs = hf_name(name).replace(".mlp.shared_expert.", f".mlp.{shared}.")
         return theirs.replace(".mlp.", f".{moe_block}.") if ".feed_forward." in name and config.moe else theirs
 
     return name_of
@@ -243,6 +304,9 @@ _OUT_TOP = {ours: theirs for theirs, ours in _TOP.items()}
 
 def hf_name(name: str) -> str:
     """HF's name of hetero GPT weight ``name`` (the inverse of ``gpt_name``)."""
+    layer, _, inner = name.removeprefix("layers.").partition(".")
+    if name.startswith("layers.") and inner == _SELECTION_BIAS[1]:
+        return f"model.layers.{layer}.{_SELECTION_BIAS[0]}"
     if (hf := renamed(name, "model.layers", _OUT_LAYER, _OUT_TOP)) is not None:
         return hf
     raise ConfigError(f"GPT weight {name!r} has no place in a Hugging Face checkpoint")
@@ -255,6 +319,9 @@ def hf_config(config: GPTConfig) -> dict:
     field of hetero's own that ``transformers`` keeps on the config and otherwise leaves alone."""
     if config.qk_norm and config.qkv_bias:
         raise ConfigError("a GPT with both qk_norm and qkv_bias matches no Hugging Face architecture hetero exports")
+    if config.rotary_size != config.head_size:
+        raise ConfigError(f"model.rotary_dim={config.rotary_dim}: a GPT trained from scratch exports as Llama, Qwen2, "
+                          "Qwen3, Qwen3-MoE or Mixtral, which turn every channel of a head")
     if config.moe:
         architecture, model_type = _moe_family(config)
     elif config.qk_norm:
@@ -332,7 +399,7 @@ def load_gpt(model, path: str | Path) -> int:
 
     part = open_part(path, "text")
     source = text_weights(part, model.config)
-    names = weight_names(model.config, getattr(source, "block", "mlp"))
+    names = weight_names(model.config, getattr(source, "block", "mlp"), getattr(source, "shared", "shared_expert"))
     if hasattr(model, "weights_state"):  # the megatron backend: read into its native view, then back
         view = model.weights_state()
         read = load_into(view, source, names)

@@ -70,6 +70,8 @@ class StackedExperts:
         if len(blocks) > 1:
             raise ConfigError(f"{where}: its layers name their experts' block both {' and '.join(sorted(blocks))}")
         self.block = blocks.pop() if blocks else "mlp"  # what the checkpoint calls a layer's experts' block
+        # and its shared experts: Qwen2-MoE's one gated expert, GLM-4-MoE's ungated ones
+        self.shared = "shared_experts" if any(".mlp.shared_experts." in name for name in plain) else "shared_expert"
         stacked = [f"{prefix}.{w}" for prefix in [*self.per_expert, *self.fused] for w in ("w1", "w3", "w2")]
         self.files = dict.fromkeys(plain + stacked, None)
 

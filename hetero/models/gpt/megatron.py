@@ -89,6 +89,7 @@ def expert_config(config: GPTConfig, ep: int) -> dict[str, Any]:
         moe_router_pre_softmax=config.gate == "softmax" and not config.normalize_gates,
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+        moe_router_dtype="fp32" if config.router_fp32 else None,
     )
 
 

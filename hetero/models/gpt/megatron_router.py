@@ -34,9 +34,13 @@ class AuxLossRouter(TopKRouter, Routing):
         return torch.is_grad_enabled()
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
-        """The router's logits in the input's dtype, as the native router computes them (megatron-core
-        0.16.1's own gating names TransformerEngine's GEMM even where it is not installed)."""
-        return F.linear(input, self.weight)
+        """The router's logits in the input's dtype, or in fp32 with ``router_fp32``, as the native router
+        computes them (megatron-core 0.16.1's own gating names TransformerEngine's GEMM even where it is
+        not installed)."""
+        if not self.gpt.router_fp32:
+            return F.linear(input, self.weight)
+        with torch.autocast(input.device.type, enabled=False):
+            return F.linear(input.float(), self.weight.float())
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """megatron-core's routing of ``logits`` (seq, batch, experts), its probabilities carrying the

@@ -12,7 +12,7 @@ from torch import nn
 from hetero.kernels.attention import CausalAttention, merge_heads, split_heads
 from hetero.kernels.documents import Documents
 from hetero.models.gpt.config import GPTConfig, RopeScaling
-from hetero.models.gpt.moe import Experts, MoEFeedForward, SwiGLU
+from hetero.models.gpt.moe import Experts, MoEFeedForward, PooledBalance, SwiGLU
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
@@ -90,10 +90,12 @@ def mrope_of(config: GPTConfig) -> tuple[Sequence[int], bool] | None:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, heads, seq, head_dim) by the position tables (seq, head_dim) or, one row each,
-    (batch, seq, head_dim)."""
+    """Rotate (batch, heads, seq, head_dim) by the position tables (seq, rotary) or, one row each,
+    (batch, seq, rotary): the first ``rotary`` channels of each head (all of them, or partial rotary's part)."""
     if cos.dim() == 3:
         cos, sin = cos[:, None], sin[:, None]
+    if (turned := cos.shape[-1]) < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -199,7 +201,7 @@ class GPT(nn.Module):
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
         config = self.config
-        cos, sin = rope_tables(config.head_size, positions, config.rope_theta, config.rope_scaling, mrope_of(config))
+        cos, sin = rope_tables(config.rotary_size, positions, config.rope_theta, config.rope_scaling, mrope_of(config))
         cos, sin = cos.to(x.device), sin.to(x.device)
         # Float input is already embedded: hidden states from the previous stage, or the first stage's
         # embeddings with other modalities merged in.
@@ -210,10 +212,14 @@ class GPT(nn.Module):
             h = place_rows(h, index, values, rows)
             for layer, tap in zip(config.deepstack_layers, taps):
                 added.setdefault(layer, []).append((index, tap, rows))
+        routed = [layer.feed_forward for layer in self.layers.values() if isinstance(layer.feed_forward, MoEFeedForward)]
+        pool = PooledBalance(config, routed, h.device) if config.balance_pooled and aux_scale is not None and routed else None
         for name, layer in self.layers.items():
             h = layer(h, cos, sin, documents, aux_scale)
             for index, tap, rows in added.get(int(name), ()):
                 h = add_rows(h, index, tap, rows)
+        if pool is not None:
+            pool.finish(routed[0].row_group)
         if self.norm is not None:
             h = self.norm(h)
         out = self.output(h) if self.output is not None else h

@@ -17,6 +17,13 @@ over ranks and microbatches:
   row it is the row's length times the Switch Transformer's ``E · Σ_e f_e P_e`` (1 when balanced);
 - router z-loss: ``Σ_t logsumexp(logits_t)²``.
 
+With ``balance_pooled`` the load balance is transformers' instead (``load_balancing_loss_func``), for runs
+that must reproduce its curves: ``E · Σ_e F_e P_e``, with ``F`` and ``P`` the top-k assignments of
+``softmax(logits)`` and its probabilities averaged over every MoE layer and every token of one forward's
+batch (a microbatch on one DP rank; its TP and CP ranks hold its other tokens), a mean over those
+batches. It does not decompose over tokens: ``PooledBalance`` collects the forward's counts, and each
+layer's gradient, which depends on the layers after it, is computed in the backward.
+
 Their sum, weighted by ``balance_loss`` and ``router_z_loss`` and scaled by the forward's ``aux_scale``
 (1 / the global batch's tokens, so each is a mean over tokens), is attached to the layer's output: its
 gradient enters the backward wherever the layer sits, on any pipeline stage. ``last_aux`` keeps the
@@ -143,6 +150,58 @@ class Routing:
         return balance + z
 
 
+class PooledBalance:
+    """One forward's pooled load-balancing loss (``balance_pooled``): each MoE layer adds its routing, the
+    forward finishes the pool, and each layer's part of the loss (and its gradient) follows from the
+    pooled assignments ``C``. With ``aux_scale`` = 1 / (G·T), G batches of T tokens, the layer's part is
+    ``balance_loss · E / (L²·T) · Σ_e C_e P_e`` over its L MoE layers and its local probability sums
+    ``P``: summed over layers, ranks and batches, ``balance_loss`` times the mean over batches of
+    transformers' ``E · Σ_e (C_e / LT) (P_e / LT)``."""
+
+    def __init__(self, config: GPTConfig, layers: list["MoEFeedForward"], device: torch.device):
+        self.config, self.layers = config, layers
+        self.counts = torch.zeros(config.num_experts + 1, dtype=torch.float32, device=device)  # then the tokens
+        self.probs: list[torch.Tensor] = []
+        self.weights: torch.Tensor | None = None  # d loss / d P of every layer, once finished
+        for layer in layers:
+            layer.pool = self
+
+    def add(self, logits: torch.Tensor) -> torch.Tensor:
+        """A layer's routing logits (tokens, experts): its placeholder part of the loss, whose gradient the
+        finished pool gives."""
+        probs = logits.softmax(-1)
+        chosen = probs.topk(self.config.top_k, dim=-1).indices.flatten()
+        self.counts.index_add_(0, chosen, torch.ones(len(chosen), dtype=self.counts.dtype, device=chosen.device))
+        self.counts[-1] += len(logits)
+        summed = probs.sum(0)
+        self.probs.append(summed.detach())
+        return _PooledPart.apply(summed, self)
+
+    def finish(self, row_group: dist.ProcessGroup | None) -> None:
+        """After the forward's last MoE layer: the pool over the whole batch (``row_group``'s ranks hold its
+        other tokens), and each layer's reported part (``last_aux``)."""
+        if row_group is not None:
+            dist.all_reduce(self.counts, group=row_group)
+        config, counts, rows = self.config, self.counts[:-1], self.counts[-1].clamp(min=1)  # rows: L·T
+        self.weights = config.balance_loss * config.num_experts / (len(self.layers) * rows) * counts
+        for layer, probs in zip(self.layers, self.probs):
+            layer.last_aux["balance_loss"] = (self.weights * probs).sum()
+
+
+class _PooledPart(torch.autograd.Function):
+    """0 in the forward (the pool is not complete yet); in the backward, the pool's weights times the
+    incoming gradient for the layer's probability sums."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, pool: PooledBalance) -> torch.Tensor:
+        ctx.pool = pool
+        return probs.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.pool.weights, None
+
+
 def routed_layers(model: nn.Module) -> list[tuple[int, Routing]]:
     """(global layer index, routing record) of every mixture-of-experts layer of a model on this rank."""
     if hasattr(model, "routed_layers"):  # a backend whose layer names differ from the native model's
@@ -164,6 +223,7 @@ class MoEFeedForward(nn.Module, Routing):
                                if config.selection_bias else None)
         self.dispatch: Dispatch = LocalExperts()
         self.row_group: dist.ProcessGroup | None = None  # ranks holding other tokens of the same rows (CP, TP)
+        self.pool: PooledBalance | None = None  # the forward's, with balance_pooled
         self.start_records(config.num_experts)
 
     def forward(self, x: torch.Tensor, aux_scale: float | None = None) -> torch.Tensor:
@@ -173,7 +233,11 @@ class MoEFeedForward(nn.Module, Routing):
         num, k = config.num_experts, config.top_k
         batch, seq, hidden = x.shape
         tokens = x.reshape(-1, hidden)
-        logits = self.router(tokens).float()
+        if config.router_fp32:
+            with torch.autocast(x.device.type, enabled=False):
+                logits = self.router(tokens.float())
+        else:
+            logits = self.router(tokens).float()
         scores = logits.softmax(-1) if config.gate == "softmax" else logits.sigmoid()
         chosen = self._choose(scores)
         gates = scores.gather(1, chosen)
@@ -204,7 +268,12 @@ class MoEFeedForward(nn.Module, Routing):
         row_counts = torch.zeros(batch, num, dtype=torch.float32, device=x.device)
         row_counts.index_put_((row_of.repeat_interleave(k), flat), torch.ones(flat.numel(), device=x.device),
                               accumulate=True)
-        aux = self.aux_loss(config, logits, scores, row_counts, row_of, self.row_group)
+        if config.balance_pooled:
+            z = logits.logsumexp(-1).square().sum() * config.router_z_loss
+            self.last_aux = {"z_loss": z.detach()}  # the balance part comes when the pool is finished
+            aux = self.pool.add(logits) + z
+        else:
+            aux = self.aux_loss(config, logits, scores, row_counts, row_of, self.row_group)
         return with_aux_loss(out, aux * aux_scale)
 
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:

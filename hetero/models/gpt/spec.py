@@ -39,7 +39,7 @@ from hetero.models.gpt.megatron import MegatronGPT, to_megatron
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.moe import routed_layers
 
-ROUTER_TRAINING = ("balance_loss", "router_z_loss", "capacity_factor")  # set on an imported MoE in YAML
+ROUTER_TRAINING = ("balance_loss", "balance_pooled", "router_z_loss", "capacity_factor", "router_fp32")  # set on an imported MoE in YAML
 from hetero.models.gpt.plan import parallelize_gpt
 from hetero.kinds.batch_rows import take_rows
 from hetero.kinds.columns import INTEGER, LONG, Column, Dim, column_errors
@@ -111,7 +111,7 @@ class GPTKind(Kind):
     def hf_export(self, config, source):
         from hetero.interop.hf_checkpoint import HFExport
         from hetero.interop.parts import open_part
-        from hetero.models.gpt.hf import hf_config, weight_names
+        from hetero.models.gpt.hf import beyond_layers, hf_config, weight_names
         from hetero.models.gpt.hf_experts import StackedExperts, assemble_experts
 
         if source is None:
@@ -124,7 +124,8 @@ class GPTKind(Kind):
         if not config.moe:
             return HFExport(part.config, weight_names(config), raw)
         experts = StackedExperts(part, config.num_experts)  # written back in the layout the source holds
-        return HFExport(part.config, weight_names(config, experts.block), raw,
+        return HFExport(part.config, weight_names(config, experts.block, experts.shared), raw,
+                        carried={name: raw(name) for name in part.names() if beyond_layers(name, config)},
                         assemble=assemble_experts(experts.block, set(experts.fused), experts.transposed))
 
     def load_pretrained(self, model, path):

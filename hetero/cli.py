@@ -30,6 +30,13 @@ def _layout(args: argparse.Namespace) -> None:
     graph = build_graph(experiment, registry())
     splits.open_sources(experiment, graph)
     description = rank_map(experiment, graph.placement, {name: graph.training(name) for name in graph.nodes})
+    if args.params:
+        from hetero.parallel.rank_params import rank_shares
+
+        shares = {(share.rank, share.module): share for share in rank_shares(graph)}
+        for row in description["ranks"]:
+            share = shares[row["rank"], row["module"]]
+            row |= {"parameters": share.parameters, "checkpoint_bytes": share.checkpoint_bytes}
     print(json.dumps(description, indent=2) if args.json else format_rank_map(description))
 
 
@@ -125,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="experiment name (configs/experiment/) or YAML path, then Hydra overrides like llm.layout.tp=2",
     )
     layout.add_argument("--json", action="store_true", help="print the map as JSON")
+    layout.add_argument("--params", action="store_true",
+                        help="also each rank's parameters and the bytes it reads from init.hf, counted on the meta "
+                             "device through the real parallelization")
     layout.set_defaults(run=_layout)
     train = commands.add_parser(
         "train",

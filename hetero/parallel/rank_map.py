@@ -63,10 +63,14 @@ def format_rank_map(description: dict[str, Any]) -> str:
         lines.append(f"  {name:<12} {module['kind']:<{kind_width}} {degrees}  ranks {format_ranks(module['ranks'])}"
                      f"{frozen}")
     lines.append("")
-    table = [list(COLUMNS)]
+    shares = any("parameters" in row for row in description["ranks"])  # ``hetero layout --params``
+    table = [list(COLUMNS) + (["parameters", "checkpoint_bytes"] if shares else [])]
     for row in description["ranks"]:
-        cells = [str(row[c]) for c in COLUMNS[:-1]]
-        table.append(cells + [",".join(row["colocated_with"]) or "-"])
-    widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+        cells = [str(row[c]) for c in COLUMNS[:-1]] + [",".join(row["colocated_with"]) or "-"]
+        if shares:
+            read = row["checkpoint_bytes"]
+            cells += [f"{row['parameters']:,}", "-" if read is None else f"{read:,}"]
+        table.append(cells)
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
     return "\n".join(lines)

@@ -216,12 +216,18 @@ def test_glm_multi_token_prediction_layers_are_passed_over_and_carried_back(tmp_
         check_weights(source, config)
 
 
-@pytest.mark.parametrize("family,fields", [("Qwen3MoeForCausalLM", dict(qk_norm=True, normalize_gates=False)),
-                                           ("Qwen3MoeForCausalLM", dict(qk_norm=True, dense_layers=[1])),
-                                           ("MixtralForCausalLM", dict(qk_norm=False, normalize_gates=True))])
+@pytest.mark.parametrize("family,fields", [
+    ("Qwen3MoeForCausalLM", dict(qk_norm=True, normalize_gates=False)),
+    ("Qwen3MoeForCausalLM", dict(qk_norm=True, dense_layers=[1])),
+    ("MixtralForCausalLM", dict(qk_norm=False, normalize_gates=True)),
+    ("Glm4MoeForCausalLM", dict(gate="sigmoid", normalize_gates=True, selection_bias=True, expert_groups=2,
+                                routed_scale=2.5, shared_experts=1, dense_layers=[0], rotary_dim=4, qkv_bias=True,
+                                qk_norm=True)),
+    ("Glm4MoeForCausalLM", dict(gate="sigmoid")),  # no selection bias: a zero one is written
+], ids=["qwen3-moe", "qwen3-moe, a dense second layer", "mixtral", "glm-4-moe", "glm-4-moe, plain sigmoid"])
 def test_a_moe_trained_from_scratch_exports_as_the_family_of_its_routing(tmp_path, family, fields):
-    """A hetero GPT with experts (random weights) written as Qwen3-MoE or Mixtral: transformers loads it
-    and its logits equal hetero's."""
+    """A hetero GPT with experts (random weights, a random selection bias) written as Qwen3-MoE, Mixtral or
+    GLM-4-MoE: transformers loads it and its logits equal hetero's."""
     from hetero.interop.hf_export import finish, hf_tensors, save_tensors
     from hetero.models import default_registry
     from hetero.models.gpt.config import GPTConfig
@@ -233,6 +239,9 @@ def test_a_moe_trained_from_scratch_exports_as_the_family_of_its_routing(tmp_pat
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("selection_bias"):
+                buffer.add_(torch.randn_like(buffer) * 0.3)
     export = default_registry()["gpt"].hf_export(config, None)
     save_tensors(hf_tensors(export, None, model.state_dict().items()), str(tmp_path / "model-00001-of-00001.safetensors"))
     finish(tmp_path, ["model-00001-of-00001.safetensors"], export.config, None)
@@ -247,7 +256,10 @@ def test_a_moe_trained_from_scratch_exports_as_the_family_of_its_routing(tmp_pat
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(gate="sigmoid", qk_norm=True), r"model\.gate='sigmoid': .* both families route by softmax"),
+    (dict(gate="sigmoid", shared_experts=1, shared_expert_gate=True),
+     r"model\.shared_expert_gate=True: a GPT with experts routed by sigmoid exports as GLM-4-MoE, and its shared "
+     r"experts are not gated"),
+    (dict(gate="sigmoid", dense_layers=[1]), r"its dense layers are the first ones"),
     (dict(shared_experts=1, qk_norm=True), r"model\.shared_experts=1: .* neither family has shared experts"),
     (dict(qk_norm=False, normalize_gates=False), r"exports as Mixtral, which renormalizes .*normalize_gates=False"),
     (dict(qk_norm=False, normalize_gates=True, dense_layers=[0]), r"has no dense layers \(model\.dense_layers=\[0\]\)"),

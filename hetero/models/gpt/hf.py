@@ -314,14 +314,9 @@ def hf_name(name: str) -> str:
 
 def hf_config(config: GPTConfig) -> dict:
     """A ``config.json`` that ``transformers`` builds this GPT (trained from scratch) from: Qwen3 with q/k
-    norm, Qwen2 with q/k/v biases, Llama otherwise. Its ``max_position_embeddings`` is the context of
+    norm, Qwen2 with q/k/v biases, Llama otherwise; with experts the family of ``_moe_family``. Its ``max_position_embeddings`` is the context of
     the RoPE settings (``rope_context``), and the length it was trained at is ``hetero_seq_len``, a
     field of hetero's own that ``transformers`` keeps on the config and otherwise leaves alone."""
-    if config.qk_norm and config.qkv_bias:
-        raise ConfigError("a GPT with both qk_norm and qkv_bias matches no Hugging Face architecture hetero exports")
-    if config.rotary_size != config.head_size:
-        raise ConfigError(f"model.rotary_dim={config.rotary_dim}: a GPT trained from scratch exports as Llama, Qwen2, "
-                          "Qwen3, Qwen3-MoE or Mixtral, which turn every channel of a head")
     if config.moe:
         architecture, model_type = _moe_family(config)
     elif config.qk_norm:
@@ -330,6 +325,14 @@ def hf_config(config: GPTConfig) -> dict:
         architecture, model_type = "Qwen2ForCausalLM", "qwen2"
     else:
         architecture, model_type = "LlamaForCausalLM", "llama"
+    if model_type != "glm4_moe":
+        if config.qk_norm and config.qkv_bias:
+            raise ConfigError("a GPT with both qk_norm and qkv_bias matches no Hugging Face architecture hetero "
+                              "exports (GLM-4-MoE: with experts routed by sigmoid)")
+        if config.rotary_size != config.head_size:
+            raise ConfigError(f"model.rotary_dim={config.rotary_dim}: a GPT trained from scratch exports as Llama, "
+                              "Qwen2, Qwen3, Qwen3-MoE or Mixtral, which turn every channel of a head (GLM-4-MoE: "
+                              "with experts routed by sigmoid)")
     rope: dict = {"rope_type": "default" if config.rope_scaling.type == "none" else config.rope_scaling.type,
                   "rope_theta": config.rope_theta}
     scaling = config.rope_scaling
@@ -351,12 +354,21 @@ def hf_config(config: GPTConfig) -> dict:
         "tie_word_embeddings": config.tie_embeddings, "rope_parameters": rope, "attention_dropout": 0.0,
         "dtype": "float32",
     }
+    if model_type == "glm4_moe":
+        rope["partial_rotary_factor"] = config.rotary_size / config.head_size
     if model_type != "qwen2":
-        out["attention_bias"] = False
+        out["attention_bias"] = config.qkv_bias if model_type == "glm4_moe" else False
     if model_type == "qwen3_moe":
         out |= {"num_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "moe_intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates,
                 "decoder_sparse_step": 1, "mlp_only_layers": sorted(set(config.dense_layers))}
+    elif model_type == "glm4_moe":
+        out |= {"n_routed_experts": config.num_experts, "num_experts_per_tok": config.top_k,
+                "moe_intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates,
+                "n_shared_experts": config.shared_experts, "routed_scaling_factor": config.routed_scale,
+                "n_group": config.expert_groups, "topk_group": config.groups_per_token,
+                "first_k_dense_replace": len(config.dense_layers), "use_qk_norm": config.qk_norm,
+                "num_nextn_predict_layers": 0}
     elif model_type == "mixtral":
         out |= {"num_local_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "intermediate_size": config.expert_size, "router_jitter_noise": 0.0, "sliding_window": None}
@@ -365,7 +377,18 @@ def hf_config(config: GPTConfig) -> dict:
 
 def _moe_family(config: GPTConfig) -> tuple[str, str]:
     """The transformers family a GPT with experts trained from scratch goes out as: softmax routing with
-    q/k norm -> Qwen3-MoE; softmax, renormalized, without -> Mixtral; anything else is refused by name."""
+    q/k norm -> Qwen3-MoE; softmax, renormalized, without -> Mixtral; sigmoid -> GLM-4-MoE (DeepSeek-V3's
+    routing; without a selection bias its bias is written as zeros); anything else is refused by name."""
+    if config.gate == "sigmoid":
+        for field, wrong, why in (
+                ("shared_expert_gate", config.shared_expert_gate, "its shared experts are not gated"),
+                ("capacity_factor", config.capacity_factor > 0, "it is dropless"),
+                ("dense_layers", config.dense_layers != list(range(len(config.dense_layers))),
+                 "its dense layers are the first ones (first_k_dense_replace)")):
+            if wrong:
+                raise ConfigError(f"model.{field}={getattr(config, field)!r}: a GPT with experts routed by sigmoid "
+                                  f"exports as GLM-4-MoE, and {why}")
+        return "Glm4MoeForCausalLM", "glm4_moe"
     for field, wrong, why in (("gate", config.gate != "softmax", "both families route by softmax"),
                               ("shared_experts", config.shared_experts > 0, "neither family has shared experts"),
                               ("capacity_factor", config.capacity_factor > 0, "both families are dropless"),

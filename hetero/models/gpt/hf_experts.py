@@ -138,3 +138,15 @@ def assemble_experts(block: str, fused: set[str], transposed: bool = False):
         return out
 
     return assemble
+
+
+def with_zero_selection_bias(assemble, num_experts: int):
+    """``assemble``, plus a zero ``e_score_correction_bias`` beside each router it writes: GLM-4-MoE's routing
+    always holds one, and a GPT routed by sigmoid without a selection bias is that routing with a zero one."""
+    def with_bias(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = assemble(tensors)
+        routers = [name.removesuffix(".weight") for name in out if name.endswith(".mlp.gate.weight")]
+        return out | {f"{router}.e_score_correction_bias": torch.zeros(num_experts, dtype=torch.float32)
+                      for router in routers}
+
+    return with_bias

@@ -112,13 +112,17 @@ class GPTKind(Kind):
         from hetero.interop.hf_checkpoint import HFExport
         from hetero.interop.parts import open_part
         from hetero.models.gpt.hf import beyond_layers, hf_config, weight_names
-        from hetero.models.gpt.hf_experts import StackedExperts, assemble_experts
+        from hetero.models.gpt.hf_experts import StackedExperts, assemble_experts, with_zero_selection_bias
 
         if source is None:
             config_json = hf_config(config)
-            block = "block_sparse_moe" if config_json["model_type"] == "mixtral" else "mlp"  # the hub's spelling
+            family = config_json["model_type"]
+            block = "block_sparse_moe" if family == "mixtral" else "mlp"  # the hub's spelling
             assemble = assemble_experts(block, set()) if config.moe else HFExport.assemble
-            return HFExport(config_json, weight_names(config, block), assemble=assemble)
+            if family == "glm4_moe" and not config.selection_bias:
+                assemble = with_zero_selection_bias(assemble, config.num_experts)
+            shared = "shared_experts" if family == "glm4_moe" else "shared_expert"
+            return HFExport(config_json, weight_names(config, block, shared), assemble=assemble)
         part = open_part(source, "text")  # a decoder, or a whole LLaVA's LM
         raw = getattr(part, "raw", lambda name: name)
         if not config.moe:

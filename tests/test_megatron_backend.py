@@ -56,7 +56,6 @@ CASES = {  # name: (model, layout, parallel options)
 SP = ParallelOptions(sequence_parallel=True)
 MOE_CASES = {  # name: (model, layout, parallel options): test_moe_parity's model, on the megatron backend
     "tp2+sp": (moe.CONFIG, {"tp": 2}, SP),  # every expert on both ranks, each routing its part of the sequence
-    "ep2": (moe.CONFIG, {"dp": 2, "ep": 2}, ParallelOptions()),
     "ep2 sigmoid+checkpointing": (moe.SIGMOID, {"dp": 2, "ep": 2}, ParallelOptions(activation_checkpointing=True)),
     "ep2·tp2+sp": (moe.CONFIG, {"tp": 2, "dp": 2, "ep": 2}, SP),
     "ep2·pp2": (moe.CONFIG, {"pp": 2, "dp": 2, "ep": 2}, ParallelOptions()),

@@ -1,8 +1,8 @@
 """``hetero train own_data_vlm`` on LLaVA conversations about real images (``hetero data example``): a
 tower and a projector at dp2 on ranks 0-1 and the LLM at tp2 on ranks 2-3. Each rank decoding only the
 images its modules take trains bit for bit as every rank decoding every image; the same data through a
-colocated layout (all three on ranks 0-1) gives the same losses step by step. With one sample a row and
-with samples packed, and on a mixture of conversations and image-caption shards."""
+colocated layout (all three on ranks 0-1) gives the same losses step by step. Packed, and on a mixture of
+conversations, image-caption shards and the digits."""
 
 import json
 import re
@@ -46,27 +46,18 @@ def test_per_rank_loading_and_colocation_train_the_same_on_the_same_conversation
 
 
 def test_a_mixture_read_per_rank_trains_bit_for_bit_as_read_everywhere(tmp_path):
+    """Conversations, image-caption shards and a built-in dataset (the digits, each a conversation about its
+    image) drawn 2:1:1: per-rank loading trains bit for bit as reading everything, and each step holds
+    digits and samples of the others."""
     path = write_llava(tmp_path / "llava", 300, seed=0)
     shards = write_webdataset(tmp_path / "shards", 200, seed=0)[0].parent
-    mixture = (f"+train.data.mixture=[{{format: llava, path: '{path}', weight: 2}}, "
+    mixture = (f"+train.data.mixture=[{{format: digits, weight: 1}}, {{format: llava, path: '{path}', weight: 2}}, "
                f"{{format: webdataset, path: '{shards}', weight: 1}}]")
-    apart = run(tmp_path, "apart", mixture)
-    everything = run(tmp_path, "everything", mixture, "train.data.per_rank=false")
-    print(f"\nmixture: (loss, grad norm) per step, held-out: per rank {apart}, every rank everything {everything}")
-    assert len(apart[0]) == 3 and len(apart[1]) == 1 and apart == everything  # bit for bit
-
-
-def test_the_digits_join_a_mixture_with_conversations(tmp_path):
-    """A built-in dataset as a mixture component: the digits, each a conversation about its image, drawn
-    one to one with LLaVA conversations; per-rank loading trains bit for bit as reading everything, and
-    each step holds samples of both."""
-    path = write_llava(tmp_path / "llava", 300, seed=0)
-    mixture = (f"+train.data.mixture=[{{format: digits, weight: 1}}, {{format: llava, path: '{path}', weight: 1}}]")
     where = [f"train.data_dir={tmp_path / 'digits'}", "train.sample_log=true"]
     apart = run(tmp_path, "apart", mixture, *where)
     everything = run(tmp_path, "everything", mixture, *where, "train.data.per_rank=false")
-    print(f"\ndigits + conversations: (loss, grad norm) per step, held-out: per rank {apart}, everything {everything}")
-    assert len(apart[0]) == 3 and len(apart[1]) == 1 and apart == everything
+    print(f"\nmixture: (loss, grad norm) per step, held-out: per rank {apart}, every rank everything {everything}")
+    assert len(apart[0]) == 3 and len(apart[1]) == 1 and apart == everything  # bit for bit
     digits = 1621  # the digits' training split comes first in the mixture's sample ids
     for line in (tmp_path / "apart" / "own_data_vlm" / "samples.jsonl").open():
         ids = json.loads(line)["ids"]

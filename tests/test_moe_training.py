@@ -4,7 +4,8 @@ norm and every weight's step-1 gradient on every replica (``check_parity``, 1e-5
 transformers' own pooled load-balancing loss (``router_aux_loss_coef``; hetero's ``balance_pooled``): each of
 hetero's forwards (a microbatch of 2 rows on one DP rank) pools its own, as each device's forward does in
 transformers under data parallelism and gradient accumulation, so the reference runs the model on those
-rows, its ``aux_loss`` averaged. Qwen2-MoE trains without an auxiliary loss."""
+rows, its ``aux_loss`` averaged; OLMoE likewise, its q and k norms over all heads (split over TP). Qwen2-MoE
+trains without an auxiliary loss."""
 
 import pytest
 import torch
@@ -16,11 +17,12 @@ from hetero.testing.kinds import build_runtime
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.parity import Record, check_parity, record_run
 
-from test_moe_import import SIZES, saved
+from test_moe_import import OLMOE, SIZES, saved
 
 STEPS, ROWS, SEQ = 3, 8, 24
 DEVICE_BATCH = 2  # rows of one forward of hetero's at tp2·dp2 with 2 microbatches (rows 0-1, 2-3, ...)
-CASES = {"qwen3-moe renormalized": 0.05, "qwen2-moe: a gated shared expert, q/k/v biases": 0.0}  # the aux loss's coefficient
+CASES = {"qwen3-moe renormalized": 0.05, "qwen2-moe: a gated shared expert, q/k/v biases": 0.0,
+         OLMOE: 0.01}  # the aux loss's coefficient (OLMoE's own); its q/k norms span the heads that TP splits
 OPTIM = OptimizerConfig(lr=2e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
 
 

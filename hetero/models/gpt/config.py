@@ -48,6 +48,7 @@ class GPTConfig:
     rotary_dim: int | None = None  # RoPE turns the first rotary_dim channels of each head (GLM-4's partial rotary); default all
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys before RoPE (Qwen3)
+    qk_norm_across_heads: bool = False  # with qk_norm: one RMSNorm over all heads' queries, one over keys (OLMoE)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     # M-RoPE (Qwen2-VL and later): the head's rotary frequencies split among temporal, height and width
     # positions, mrope_sections[i] frequencies each (summing to head_size / 2), in contiguous sections
@@ -140,6 +141,9 @@ class GPTConfig:
                 f"{module}.model: each head is {self.head_size} wide (hidden_size={self.hidden_size} / "
                 f"num_heads={self.num_heads}, or head_dim), but rotary embeddings turn pairs of channels; make it even"
             )
+        if self.qk_norm_across_heads and not self.qk_norm:
+            errors.append(f"{module}.model.qk_norm_across_heads=true spans the q/k norms over all heads, and "
+                          f"{module}.model.qk_norm=false; set qk_norm=true")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size):
             errors.append(f"{module}.model.rotary_dim={self.rotary_dim} must be even and in 2..{self.head_size} "
                           "(the head's width)")
@@ -262,6 +266,9 @@ class GPTConfig:
         if layout.cp > 1:
             errors.append(f"{where} does not run context parallelism ({module}.layout.cp={layout.cp}): "
                           "megatron-core's CP attention needs TransformerEngine; use backend=native for cp > 1")
+        if self.qk_norm_across_heads:
+            errors.append(f"{where} normalizes q and k per head ({module}.model.qk_norm_across_heads=true); use the "
+                          "native backend")
         if self.rotary_dim is not None and self.rotary_dim != self.head_size:
             errors.append(f"{where} turns every channel of a head ({module}.model.rotary_dim={self.rotary_dim}); use "
                           "the native backend")

@@ -8,7 +8,8 @@ SwiGLU experts, renormalized as ``norm_topk_prob`` says, always for Mixtral; Qwe
 its sigmoid gate as hetero's shared experts and ``shared_expert_gate``) and ``Glm4MoeForCausalLM``
 (DeepSeek-V3's sigmoid routing with its selection bias, groups and routed scale, the router in fp32,
 ungated shared experts, dense first layers, partial rotary as ``rotary_dim``; its multi-token prediction
-layers are passed over and carried back). The experts are read in either key layout (``hf_experts``),
+layers are passed over and carried back) and ``OlmoeForCausalLM`` (its q and k norms over all heads:
+``qk_norm_across_heads``). The experts are read in either key layout (``hf_experts``),
 exported back in the layout they came in, and a GPT with experts trained from scratch goes out as the
 family its routing matches (``hf_config``). Their ``router_aux_loss_coef`` is not mapped: hetero's
 ``balance_loss`` is a per-row loss that transformers' pooled one is not (``balance_pooled`` computes that
@@ -38,7 +39,7 @@ from hetero.models.gpt.model import GPT
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
-                 "Qwen2MoeForCausalLM": "qwen2_moe", "Glm4MoeForCausalLM": "glm4_moe"}
+                 "Qwen2MoeForCausalLM": "qwen2_moe", "Glm4MoeForCausalLM": "glm4_moe", "OlmoeForCausalLM": "olmoe"}
 
 # Families hetero knows and does not import, with what is missing: named in the refusal instead of the
 # generic list of what it imports.
@@ -47,7 +48,6 @@ NOT_MODELLED = {
     "DeepseekV3ForCausalLM": "multi-head latent attention (MLA: low-rank q and kv, a separate rotary part per head) "
                              "is not modelled; its routing is (selection_bias, expert_groups, routed_scale)",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) is not modelled",
-    "OlmoeForCausalLM": "its q and k RMSNorm spans all heads (hidden-wide), while hetero's q/k norm is per head",
     "Qwen3NextForCausalLM": "gated delta-net (linear attention) layers are not modelled",
     "Llama4ForCausalLM": "chunked attention, no-rope layers and its interleaved experts are not modelled",
 }
@@ -69,7 +69,7 @@ MODELLED = {
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise", "shared_expert_intermediate_size", "qkv_bias",
     "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
-    "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers",
+    "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers", "clip_qkv",
 }
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
@@ -127,7 +127,9 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         refuse("layer_types", sorted(set(layer_types)), "every layer attends to the full sequence in hetero")
     theta, scaling = _rope(hf, where)
     sections, interleaved = _mrope(hf)
-    experts = _experts(hf, family, refuse) if family in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe") else {}
+    if hf.get("clip_qkv") is not None:
+        refuse("clip_qkv", hf["clip_qkv"], "hetero does not clamp q, k and v")
+    experts = _experts(hf, family, refuse) if family in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "olmoe") else {}
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     rotary = _rotary_dim(hf, head_dim or hf["hidden_size"] // heads)
@@ -140,7 +142,8 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         head_dim=head_dim if head_dim and head_dim != hf["hidden_size"] // heads else None,
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
         or (family == "glm4_moe" and bool(hf.get("attention_bias", False))),
-        qk_norm=family in ("qwen3", "qwen3_moe") or (family == "glm4_moe" and bool(hf.get("use_qk_norm", False))),
+        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe") or (family == "glm4_moe" and bool(hf.get("use_qk_norm", False))),
+        qk_norm_across_heads=family == "olmoe",
         rotary_dim=rotary, rope_scaling=scaling, mrope_sections=sections,
         mrope_interleaved=interleaved, deepstack_layers=list(hf.get(DEEPSTACK, [])), **experts,
     )
@@ -157,6 +160,9 @@ def _experts(hf: dict, family: str, refuse) -> dict:
                     groups_per_token=hf.get("topk_group") or 1, routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
                     shared_experts=hf.get("n_shared_experts") or 0,
                     dense_layers=list(range(hf.get("first_k_dense_replace") or 0)), router_fp32=True)
+    if family == "olmoe":  # softmax top-k, its experts intermediate_size wide
+        return dict(num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], expert_ffn_size=hf["intermediate_size"],
+                    normalize_gates=bool(hf.get("norm_topk_prob", False)))
     if family == "mixtral":
         return dict(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                     expert_ffn_size=hf["intermediate_size"], normalize_gates=True)
@@ -325,6 +331,9 @@ def hf_config(config: GPTConfig) -> dict:
         architecture, model_type = "Qwen2ForCausalLM", "qwen2"
     else:
         architecture, model_type = "LlamaForCausalLM", "llama"
+    if config.qk_norm_across_heads and model_type != "olmoe":
+        raise ConfigError("model.qk_norm_across_heads=true: only OLMoE normalizes q and k over all heads, a GPT with "
+                          "experts routed by softmax")
     if model_type != "glm4_moe":
         if config.qk_norm and config.qkv_bias:
             raise ConfigError("a GPT with both qk_norm and qkv_bias matches no Hugging Face architecture hetero "
@@ -362,6 +371,10 @@ def hf_config(config: GPTConfig) -> dict:
         out |= {"num_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "moe_intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates,
                 "decoder_sparse_step": 1, "mlp_only_layers": sorted(set(config.dense_layers))}
+    elif model_type == "olmoe":  # pad_token_id None: transformers would never update that token's embedding
+        out |= {"num_experts": config.num_experts, "num_experts_per_tok": config.top_k,
+                "intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates, "clip_qkv": None,
+                "pad_token_id": None}
     elif model_type == "glm4_moe":
         out |= {"n_routed_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "moe_intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates,
@@ -389,6 +402,16 @@ def _moe_family(config: GPTConfig) -> tuple[str, str]:
                 raise ConfigError(f"model.{field}={getattr(config, field)!r}: a GPT with experts routed by sigmoid "
                                   f"exports as GLM-4-MoE, and {why}")
         return "Glm4MoeForCausalLM", "glm4_moe"
+    if config.qk_norm_across_heads:
+        for field, wrong, why in (("gate", config.gate != "softmax", "it routes by softmax"),
+                                  ("shared_experts", config.shared_experts > 0, "it has no shared experts"),
+                                  ("capacity_factor", config.capacity_factor > 0, "it is dropless"),
+                                  ("qkv_bias", config.qkv_bias, "it does not bias q, k, v"),
+                                  ("dense_layers", bool(config.dense_layers), "every layer has experts")):
+            if wrong:
+                raise ConfigError(f"model.{field}={getattr(config, field)!r}: a GPT with experts and q/k norms over "
+                                  f"all heads exports as OLMoE, and {why}")
+        return "OlmoeForCausalLM", "olmoe"
     for field, wrong, why in (("gate", config.gate != "softmax", "both families route by softmax"),
                               ("shared_experts", config.shared_experts > 0, "neither family has shared experts"),
                               ("capacity_factor", config.capacity_factor > 0, "both families are dropless"),

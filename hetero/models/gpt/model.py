@@ -6,8 +6,10 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hetero.kernels.attention import CausalAttention, merge_heads, split_heads
 from hetero.kernels.documents import Documents
@@ -101,6 +103,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class HeadsRMSNorm(nn.Module):
+    """RMSNorm over every head's channels together (OLMoE's q and k norms), before the heads are split.
+    Under TP a rank holds its heads' channels and their part of ``weight``: ``group`` (the plan sets it)
+    sums the squares over the TP ranks."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.width, self.eps = width, eps
+        self.weight = nn.Parameter(torch.ones(width))
+        self.group: dist.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squares = x.float().square().sum(-1, keepdim=True)
+        if self.group is not None:
+            squares = _SummedOver.apply(squares, self.group)
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        return weight * (x.float() * torch.rsqrt(squares / self.width + self.eps)).to(x.dtype)
+
+
+class _SummedOver(torch.autograd.Function):
+    """``x`` summed over ``group``, and so is its gradient: each rank's sum feeds that rank's part of the loss."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -110,7 +148,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.hidden_size, config.kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(config.hidden_size, config.kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(config.num_heads * self.head_dim, config.hidden_size, bias=False)
-        if config.qk_norm:
+        self.across_heads = config.qk_norm and config.qk_norm_across_heads
+        if self.across_heads:
+            self.q_norm = HeadsRMSNorm(config.num_heads * self.head_dim, config.norm_eps)
+            self.k_norm = HeadsRMSNorm(config.kv_heads * self.head_dim, config.norm_eps)
+        elif config.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         else:
@@ -119,10 +161,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: Documents | None = None) -> torch.Tensor:
-        q = split_heads(self.wq(x), self.head_dim)
-        k = split_heads(self.wk(x), self.head_dim)
-        v = split_heads(self.wv(x), self.head_dim)
-        if self.q_norm is not None:
+        q, k = self.wq(x), self.wk(x)
+        if self.across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = split_heads(q, self.head_dim), split_heads(k, self.head_dim), split_heads(self.wv(x), self.head_dim)
+        if self.q_norm is not None and not self.across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
@@ -167,7 +210,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.RMSNorm):
+            elif isinstance(module, (nn.RMSNorm, HeadsRMSNorm)):
                 nn.init.ones_(module.weight)
             elif isinstance(module, Experts):
                 for weight in (module.w1, module.w3, module.w2):

@@ -13,7 +13,7 @@ summed over their expert-data-parallel group, which spans TP.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -101,10 +101,16 @@ def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool)
     if model.norm is not None and sequence_parallel:
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
+    config = model.config
+    across = config.qk_norm and config.qk_norm_across_heads  # OLMoE's norms over all heads: HeadsRMSNorm
     for block in model.layers.values():
-        config, experts = model.config, isinstance(block.feed_forward, MoEFeedForward)
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, config.qk_norm, experts,
+        experts = isinstance(block.feed_forward, MoEFeedForward)
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel, config.qk_norm and not across, experts,
                                                       config.shared_experts > 0, config.shared_expert_gate))
+        for norm in (block.attention.q_norm, block.attention.k_norm) if across else ():
+            # each rank's heads' channels of the weight, as wq and wk split their outputs; squares summed over TP
+            norm.weight = nn.Parameter(distribute_tensor(norm.weight, tp_mesh, [Shard(0)]))
+            norm.group = mesh.group("tp")
     if model.config.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # same Shard(0) placement: re-tie the DTensor
 

@@ -181,8 +181,9 @@ class GPTConfig:
         if len(sections) != 3 or min(sections) < 0:
             return [f"{field} must be three counts of frequencies (temporal, height, width), each >= 0"]
         if sum(sections) != half:
-            return [f"{field} sum to {sum(sections)}, but a head turning {self.rotary_size} channels turns {half} "
-                    f"frequencies; make them sum to {half}"]
+            turned = (f"a head of {self.head_size} channels turns" if self.rotary_dim is None
+                      else f"the {self.rotary_size} rotary channels of a head turn")
+            return [f"{field} sum to {sum(sections)}, but {turned} {half} frequencies; make them sum to {half}"]
         if self.mrope_interleaved and (3 * sections[1] > half + 1 or 3 * sections[2] > half):
             return [f"{field} with mrope_interleaved=true: height takes frequencies 1, 4, 7, ... and width "
                     f"2, 5, 8, ... of the {half}, so at most {(half + 1) // 3} and {half // 3}"]

@@ -146,7 +146,7 @@ def with_zero_selection_bias(assemble, num_experts: int):
     def with_bias(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = assemble(tensors)
         routers = [name.removesuffix(".weight") for name in out if name.endswith(".mlp.gate.weight")]
-        return out | {f"{router}.e_score_correction_bias": torch.zeros(num_experts, dtype=torch.float32)
+        return out | {f"{router}.e_score_correction_bias": torch.zeros(num_experts, dtype=torch.float32, device="cpu")
                       for router in routers}
 
     return with_bias

@@ -43,9 +43,8 @@ CASES = {
                routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
                head_dim=16, attention_bias=True, use_qk_norm=True, norm_topk_prob=True,
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
-    # pad_token_id None: transformers' embedding never updates the pad token's row (padding_idx), which
-    # hetero does not model (docs/configuration.md); OLMoE's config names token 1
-    OLMOE: ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=24, num_experts=4, pad_token_id=None)),
+    # its config's pad_token_id (1): the embedding row its lookups do not train (padding_idx)
+    OLMOE: ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=24, num_experts=4)),
 }
 
 
@@ -167,6 +166,27 @@ def test_norms_across_heads_without_qk_norm_or_on_megatron_are_refused():
                in error for error in config.errors("llm", one))
     megatron = replace(config, qk_norm=True, backend="megatron").errors("llm", one)
     assert any("backend=megatron normalizes q and k per head" in error for error in megatron), megatron
+
+
+def test_the_pad_tokens_row_imports_frozen_unless_the_module_trains_it(tmp_path):
+    """OLMoE's ``pad_token_id`` imports as the row its lookups do not train; ``pad_token_id: null`` in the module's
+    YAML trains it (the megatron backend's only way), and a pad token outside the vocabulary is refused."""
+    from dataclasses import replace
+
+    from hetero.models import default_registry
+    from hetero.parallel.layout import Layout
+
+    saved(tmp_path, OLMOE)
+    gpt, one = default_registry()["gpt"], Layout(tp=1, cp=1, dp=1, pp=1, ranks=(0,))
+    assert gpt.pretrained_config("llm", str(tmp_path), {}).pad_token_id == 1
+    config = gpt.pretrained_config("llm", str(tmp_path), {"pad_token_id": None})
+    assert config.pad_token_id is None
+    megatron = replace(config, pad_token_id=1, qk_norm_across_heads=False, backend="megatron").errors("llm", one)
+    assert any("backend=megatron trains every embedding row, the pad token's too (llm.model.pad_token_id=1); set "
+               "llm.model.pad_token_id=null to train it" in error for error in megatron), megatron
+    assert replace(config, pad_token_id=SIZES["vocab_size"]).errors("llm", one) == [
+        f"llm.model.pad_token_id={SIZES['vocab_size']} is not a token of the vocabulary of {SIZES['vocab_size']}; use "
+        f"0..{SIZES['vocab_size'] - 1} or null"]
 
 
 def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):

@@ -1,7 +1,7 @@
 """DeepSeek-V3's routing in hetero's MoE layer (``selection_bias``, ``expert_groups`` / ``groups_per_token``,
 ``routed_scale``, sigmoid gates renormalized, a shared expert) against transformers' ``DeepseekV3MoE`` on the
 same weights: equal outputs, and each feature changes them (so the comparison would catch one left out).
-The router in fp32 under bf16 autocast (``router_fp32``)."""
+The router in fp32 under bf16 autocast (``router_fp32``), in one process and at ep2·tp2 with SP."""
 
 import re
 from dataclasses import replace
@@ -72,6 +72,48 @@ def test_router_fp32_routes_under_bf16_autocast_as_in_fp32():
     fp32, autocast, plain = seen
     assert autocast.dtype == torch.float32 and torch.equal(autocast, fp32)
     assert plain.dtype == torch.bfloat16 and not torch.equal(plain.float(), fp32)
+
+
+def bf16_router_logits(rank, world_size, config: GPTConfig, layout: dict) -> list[tuple[int, bool]]:
+    """One bf16 evaluation of a MoE at ``layout``: for each router call on this rank, the bits of its logits
+    in dtype and whether they equal the fp32 product of its input and weight bit for bit."""
+    from torch.distributed.tensor import DTensor
+
+    from hetero.parallel.options import ParallelOptions
+    from hetero.testing.experiments import experiment, module
+    from hetero.testing.kinds import build_runtime
+
+    block = module("gpt", config, layout, parallel=ParallelOptions(precision="bf16", sequence_parallel=True))
+    runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=4, microbatches=1))
+    seen = []
+
+    def local(tensor):  # under SP the router's input and weight arrive as DTensors: this rank's tokens
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    def check(router, inputs, output):
+        weight = router.weight.full_tensor() if isinstance(router.weight, DTensor) else router.weight
+        with torch.autocast("cpu", enabled=False):
+            fp32 = torch.nn.functional.linear(local(inputs[0]).float(), weight.float())
+        seen.append((torch.finfo(output.dtype).bits, torch.equal(local(output).float(), fp32)))
+
+    for layer in runtime.modules["llm"].model.layers.values():
+        layer.feed_forward.router.register_forward_hook(check)
+    tokens = torch.randint(0, config.vocab_size, (4, config.seq_len), generator=torch.Generator().manual_seed(3))
+    runtime.evaluate([{"tokens": tokens, "labels": tokens.roll(-1, 1)}])
+    return seen
+
+
+def test_router_fp32_routes_in_fp32_under_bf16_at_ep2_tp2():
+    """At ep2·tp2 with SP under bf16 autocast, every rank's router logits are the fp32 product of the tokens it
+    routes, bit for bit; without ``router_fp32`` they are bf16."""
+    from hetero.testing.multiprocess import run_ranks
+
+    config = replace(OURS, num_layers=2, router_fp32=True)
+    for fp32 in (True, False):
+        results = run_ranks(bf16_router_logits, 4, replace(config, router_fp32=fp32), {"tp": 2, "dp": 2, "ep": 2})
+        calls = [call for rank in results for call in rank]
+        assert len(calls) == 4 * config.num_layers
+        assert all(call == ((32, True) if fp32 else (16, False)) for call in calls), calls
 
 
 @pytest.mark.parametrize("fields,message", [

@@ -4,14 +4,18 @@ norm and every weight's step-1 gradient on every replica (``check_parity``, 1e-5
 transformers' own pooled load-balancing loss (``router_aux_loss_coef``; hetero's ``balance_pooled``): each of
 hetero's forwards (a microbatch of 2 rows on one DP rank) pools its own, as each device's forward does in
 transformers under data parallelism and gradient accumulation, so the reference runs the model on those
-rows, its ``aux_loss`` averaged; OLMoE likewise, its q and k norms over all heads (split over TP). Qwen2-MoE
-trains without an auxiliary loss."""
+rows, its ``aux_loss`` averaged; OLMoE likewise, its q and k norms over all heads (split over TP), with
+sequence parallelism, on inputs that hold its pad token (whose embedding row only the output's gradient
+reaches there, transformers' padding_idx). Qwen2-MoE trains without an auxiliary loss."""
+
+import json
 
 import pytest
 import torch
 
 from hetero.config import OptimizerConfig
 from hetero.models.gpt.hf import gpt_name
+from hetero.parallel.options import ParallelOptions
 from hetero.testing.experiments import experiment, module
 from hetero.testing.kinds import build_runtime
 from hetero.testing.multiprocess import run_ranks
@@ -74,9 +78,10 @@ def transformers_run(path, coefficient: float) -> Record:
     return record
 
 
-def hetero_run(rank, world_size, path, coefficient: float):
+def hetero_run(rank, world_size, path, coefficient: float, sequence_parallel: bool):
     pooled = {"balance_loss": coefficient, "balance_pooled": True} if coefficient else {}
-    block = module("gpt", {"seq_len": SEQ} | pooled, {"tp": 2, "dp": 2, "ep": 2}, OPTIM, init={"hf": str(path)})
+    block = module("gpt", {"seq_len": SEQ} | pooled, {"tp": 2, "dp": 2, "ep": 2}, OPTIM,
+                   ParallelOptions(sequence_parallel=sequence_parallel), init={"hf": str(path)})
     runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=ROWS, microbatches=ROWS // 2 // DEVICE_BATCH))
     return record_run(runtime, batches(), ("loss", "llm.balance_loss") if coefficient else ("loss",))
 
@@ -84,6 +89,9 @@ def hetero_run(rank, world_size, path, coefficient: float):
 @pytest.mark.parametrize("case", list(CASES))
 def test_three_steps_of_an_imported_moe_at_ep2_tp2_equal_transformers_with_adamw(tmp_path, case):
     saved(tmp_path, case)
-    ours = run_ranks(hetero_run, 4, tmp_path, CASES[case], timeout_s=300)
+    if case == OLMOE:  # its pad token among the inputs
+        pad = json.loads((tmp_path / "config.json").read_text())["pad_token_id"]
+        assert sum(int((batch["tokens"] == pad).sum()) for batch in batches()) >= 5
+    ours = run_ranks(hetero_run, 4, tmp_path, CASES[case], case == OLMOE, timeout_s=300)
     theirs = transformers_run(tmp_path, CASES[case])
     print("\n" + check_parity(ours, theirs, f"{case}: hetero at ep2·tp2 against transformers, {STEPS} AdamW steps"))

@@ -12,6 +12,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from hetero.models.vit.config import ViTConfig
 from hetero.models.vit.flops import qwen_tower_forward_flops
 from hetero.models.vit.qwen_tower import QwenVisionTower
+from hetero.parallel.options import ParallelOptions
 from hetero.models.vit.qwen_tower_hf import tower_state
 
 # (t, h, w) in patches: a still image is one temporal patch; widths and heights with windows cut short
@@ -67,11 +68,15 @@ def test_a_qwen_tower_refuses_what_it_does_not_run():
     from hetero.parallel.layout import Layout
 
     config = ViTConfig(**TOWER, tower="qwen3-vl", position_grid=6, deepstack_layers=[1], window_size=8)
-    errors = config.errors("vision", Layout(2, 1, 1, 1, (0, 1)))
+    errors = config.errors("vision", Layout(3, 1, 1, 2, tuple(range(6))), ParallelOptions(sequence_parallel=True))
     assert errors == [
         "vision.model.tower=qwen3-vl attends to whole images: set vision.model.window_size=0 and full_attention_blocks=[]",
-        "vision.layout: the qwen3-vl tower runs its images over dp (and FSDP2) only, not tp=2, cp=1, pp=1; spread it "
-        "with dp"], errors
+        "vision.layout: the qwen3-vl tower runs on one pipeline stage without context parallelism, not cp=1, pp=2; "
+        "spread it with dp and tp",
+        "vision.parallel.sequence_parallel: the qwen3-vl tower's TP ranks hold every patch (its images are not one "
+        "sequence to split); set it false",
+        "vision.layout.tp=3 does not divide vision.model.num_heads=2; choose tp from 1, 2",
+        "vision.layout.tp=3 does not divide vision.model.hidden_size=32; choose tp from 1, 2, 4, 8, 16, 32"], errors
     assert ViTConfig(tower="qwen2.5-vl", max_patches=64, merge=2).errors("vision", Layout(1, 1, 1, 1, (0,)))[:3] == [
         "vision.model.tower=qwen2.5-vl has no class_token: set vision.model.class_token=false",
         "vision.model.tower=qwen2.5-vl has no projector: set vision.model.projector=false",

@@ -1,5 +1,5 @@
 """A whole Qwen2.5-VL checkpoint (``hetero.interop.qwen_vl``): a tiny random one saved offline by transformers
-imported into a tower dp2 (ranks 0-1) → LLM tp2 (ranks 2-3) graph, both modules naming the same directory.
+imported into a tower dp2 or tp2 (ranks 0-1) → LLM tp2 (ranks 2-3) graph, both modules naming the same directory.
 On rows of text around images of several grids and a video (random patches, the processor's steps are not
 built yet), hetero's logits on every LLM rank equal transformers' (1e-5), for Qwen2.5-VL (windows, M-RoPE
 in sections) and Qwen3-VL (the learned position grid, interleaved M-RoPE, DeepStack's taps added after
@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from hetero.data.mrope_positions import VisionSpan, mrope_positions
+from hetero.interop.parts import open_part
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks
 from hetero.testing.qwen_vl import llm_logits
@@ -143,8 +144,12 @@ def hetero_batch(family):
             "image_start": torch.tensor(image_start)}
 
 
-def graph(path):
-    layouts = {"vision": {"dp": 2}, "llm": {"tp": 2, "offset": 2}}
+# the tower split over TP (each rank reading its heads' thirds of the fused qkv) or replicated over DP
+TOWER_LAYOUTS = {"qwen2.5-vl": {"tp": 2, "size": 2}, "qwen3-vl": {"dp": 2}, "qwen3-vl-moe, hub files": {"tp": 2, "size": 2}}
+
+
+def graph(path, family):
+    layouts = {"vision": TOWER_LAYOUTS[family], "llm": {"tp": 2, "offset": 2}}
     blocks = {name: module(kind, {}, layouts[name], {"lr": 1e-3, "warmup_steps": 0}, init={"hf": str(path)})
               for name, kind in (("vision", "vit"), ("llm", "gpt"))}
     blocks["vision"]["model"] = {"max_patches": 64}
@@ -152,10 +157,10 @@ def graph(path):
     return experiment(4, blocks, edges=[("vision", "llm")], global_batch=2, microbatches=1)
 
 
-def imported_logits(rank, world_size, path, batch):
+def imported_logits(rank, world_size, path, batch, family):
     from hetero.testing.kinds import build_runtime
 
-    logits = llm_logits(build_runtime(graph(path)), batch)
+    logits = llm_logits(build_runtime(graph(path, family)), batch)
     return None if logits is None else logits[1]
 
 
@@ -163,31 +168,38 @@ def imported_logits(rank, world_size, path, batch):
 def test_a_whole_qwen_vl_imports_under_layouts(tmp_path, family):
     path = write_qwen_vl(tmp_path / family.replace(", ", "-").replace(" ", "-"), family)
     expected = transformers_logits(path, family)
-    held = [r for r in run_ranks(imported_logits, 4, path, hetero_batch(family), timeout_s=300) if r is not None]
+    held = [r for r in run_ranks(imported_logits, 4, path, hetero_batch(family), family, timeout_s=300) if r is not None]
     assert len(held) == 2  # both LLM ranks
     errors = [((ours[r, :len(want)] - want).abs().max() / want.abs().max()).item()
               for ours in held for r, want in enumerate(expected)]
-    print(f"\nimported {family}: logits rel. errors {', '.join(f'{e:.1e}' for e in errors)}")
+    print(f"\nimported {family} (tower {TOWER_LAYOUTS[family]}): logits rel. errors {', '.join(f'{e:.1e}' for e in errors)}")
     assert max(errors) <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["qwen3-vl-moe", "qwen3-vl-moe, hub files"])
-def test_a_qwen3_vl_moes_language_model_exports_bit_for_bit_in_its_files_layout(tmp_path, family):
-    """The LLM part of a Qwen3-VL-MoE imported in one process and written back (``Kind.hf_export``): every
-    tensor of the part, the fused experts in the layout the files hold them (transposed in the hub's)."""
+def test_a_whole_qwen3_vl_moe_exports_bit_for_bit_in_its_files_layout(tmp_path, family):
+    """A Qwen3-VL-MoE imported in one process and written back whole (``whole_export``, as ``hetero convert
+    --vlm`` writes it): every tensor, the fused experts in the layout the files hold them (transposed in the
+    hub's), the tower's q, k and v joined into its fused qkv."""
     from hetero.interop.hf_checkpoint import HFCheckpoint
     from hetero.interop.hf_export import hf_tensors
-    from hetero.interop.parts import open_part
+    from hetero.interop.vlm_export import whole_export
     from hetero.models import default_registry
     from hetero.models.gpt.hf import gpt_config, load_gpt
     from hetero.models.gpt.model import GPT
+    from hetero.models.vit.qwen_tower import QwenVisionTower
+    from hetero.models.vit.qwen_tower_hf import load_tower, qwen_vit_config
 
     path = write_qwen_vl(tmp_path / "vlm", family)
-    whole = HFCheckpoint(path)
-    part = open_part(whole, "text")
-    model = GPT(gpt_config(part.config))
-    load_gpt(model, path)
-    written = hf_tensors(default_registry()["gpt"].hf_export(model.config, whole), whole, model.state_dict().items())
-    assert sorted(written) == sorted(part.names())
-    for name in part.names():
-        assert torch.equal(written[name], part.tensor(name)), name
+    whole, registry = HFCheckpoint(path), default_registry()
+    llm = GPT(gpt_config(open_part(whole, "text").config))
+    load_gpt(llm, path)
+    tower = QwenVisionTower(qwen_vit_config(open_part(whole, "vision").config, {}, "vision"))
+    load_tower(tower, open_part(whole, "vision"))
+    written = {}
+    for kind, model in (("vit", tower), ("gpt", llm)):
+        export = whole_export(registry[kind], model.config, whole, kind)
+        written |= hf_tensors(export, whole, model.state_dict().items())
+    assert sorted(written) == sorted(whole.names())
+    for name in whole.names():
+        assert torch.equal(written[name], whole.tensor(name)), name

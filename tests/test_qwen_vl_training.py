@@ -11,7 +11,7 @@ from hetero.config import load_experiment
 from hetero.data.example import write_llava
 from hetero.data.splits import load
 from hetero.models.gpt.hf import gpt_name
-from hetero.models.vit.qwen_tower_hf import tower_name
+from hetero.models.vit.qwen_tower_hf import tower_state
 from hetero.interop.tiny_vlm import write_tiny_vlm
 from hetero.testing.kinds import build_graph, build_runtime
 from hetero.testing.multiprocess import run_ranks
@@ -27,11 +27,12 @@ OVERRIDES = ["batch.global_batch_size=8", "train.data.per_rank=false", "train.gr
                  ("beta2", BETAS[1]), ("eps", EPS))]
 
 
-def hetero_name(name: str, vision) -> str:
-    """hetero's ``<module>.<parameter>`` of a transformers Qwen-VL parameter."""
-    if name.startswith("model.visual."):
-        return "vision." + tower_name(name.removeprefix("model.visual."), vision)
-    return "llm." + gpt_name(name.replace("model.language_model.", "model."))
+def hetero_grads(grads: dict, vision) -> dict:
+    """transformers' Qwen-VL gradients under hetero's ``<module>.<parameter>`` names (the fused qkv in thirds)."""
+    tower = {name.removeprefix("model.visual."): g for name, g in grads.items() if name.startswith("model.visual.")}
+    return {f"vision.{name}": g for name, g in tower_state(tower, vision).items()} | {
+        "llm." + gpt_name(name.replace("model.language_model.", "model.")): g
+        for name, g in grads.items() if not name.startswith("model.visual.")}
 
 
 def transformers_run(path, family, batches, vision) -> Record:
@@ -45,7 +46,7 @@ def transformers_run(path, family, batches, vision) -> Record:
         grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
         record.grad_norms.append(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item())
         if step == 0:
-            record.grads = {hetero_name(name, vision): g.detach().clone() for name, g in grads.items()}
+            record.grads = {name: g.detach().clone() for name, g in hetero_grads(grads, vision).items()}
         optimizer.step()
         optimizer.zero_grad()
     return record

@@ -1,5 +1,5 @@
 """A Qwen-style VLM through the runtime against one process: the Qwen2.5-VL or Qwen3-VL tower (``vit`` with
-``tower``) over its DP replicas (FSDP2 in one case), its merged tokens routed to the placeholders of an LLM
+``tower``) over its DP replicas (FSDP2 in one case) or split over TP, its merged tokens routed to the placeholders of an LLM
 with M-RoPE under CP, TP with SP or PP, colocated and not; with DeepStack, the tower's taps ride the same edge beside the
 tokens and are added after the LLM's layers 0 and 1. The one process encodes each image alone and runs
 each row layer by layer with the positions of ``hetero.data.mrope_positions``. 4 AdamW steps, fp32
@@ -115,17 +115,17 @@ def train(rank, world_size, tower, layouts, options):
 
 
 CASES = {
-    "qwen2.5-vl tower dp2, llm cp2, colocated": ("qwen2.5-vl", 2, {"vision": {"dp": 2}, "llm": {"cp": 2}}, {}),
+    "qwen2.5-vl tower tp2, llm cp2, colocated": ("qwen2.5-vl", 2, {"vision": {"tp": 2}, "llm": {"cp": 2}}, {}),
     "deepstack: qwen3-vl tower dp2, llm cp2, colocated": ("qwen3-vl deepstack", 2, {"vision": {"dp": 2}, "llm": {"cp": 2}}, {}),
-    "deepstack: qwen3-vl tower dp2 (0-1), llm tp2 with sequence parallelism (2-3)": (
-        "qwen3-vl deepstack", 4, {"vision": {"dp": 2}, "llm": {"tp": 2, "offset": 2}},
+    "deepstack: qwen3-vl tower tp2 (0-1), llm tp2 with sequence parallelism (2-3)": (
+        "qwen3-vl deepstack", 4, {"vision": {"tp": 2, "size": 2}, "llm": {"tp": 2, "offset": 2}},
         {"llm": ParallelOptions(sequence_parallel=True)}),
     "deepstack: qwen3-vl tower dp2 (fsdp), llm pp2 (its first stage holds layers 0-1), colocated": (
         "qwen3-vl deepstack", 2, {"vision": {"dp": 2}, "llm": {"pp": 2}}, {"vision": ParallelOptions(fsdp=True)}),
 }
 # where every token crosses to other ranks; under SP each LLM TP rank receives the tokens of its part of the
-# sequence alone, so each token (and its taps) crosses once
-CROSSING = {"deepstack: qwen3-vl tower dp2 (0-1), llm tp2 with sequence parallelism (2-3)"}
+# sequence alone, so each token (and its taps) crosses once forward
+CROSSING = {"deepstack: qwen3-vl tower tp2 (0-1), llm tp2 with sequence parallelism (2-3)"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -137,9 +137,11 @@ def test_qwen_vlm_parity(case):
         batch, taps = batches()[0], len(VISION[tower].deepstack_layers)
         ideal = int(batch["image_grid"].prod(1).sum()) // 4 * (1 + taps) * VISION[tower].out_size * 4
         forward, within, backward = (sum(r.edge_bytes["vision->llm"][k] for r in results) for k in range(3))
-        assert (forward, within, backward) == (ideal, 0, ideal), (forward, within, backward, ideal)
+        # each of the tower's TP ranks holds the whole output, so each takes its whole gradient back
+        tower_tp = layouts["vision"].get("tp", 1)
+        assert (forward, within, backward) == (ideal, 0, ideal * tower_tp), (forward, within, backward, ideal)
         print(f"  routed bytes, step 1: forward {forward} B across, {within} B within the LLM's TP group, backward "
-              f"{backward} B (tokens and taps once: {ideal} B)")
+              f"{backward} B (tokens and taps once: {ideal} B; back to each of the tower's {tower_tp} TP ranks)")
 
 
 def test_the_data_has_what_the_parity_needs():

@@ -47,11 +47,11 @@ def whole_export(kind, config, source, module: str) -> HFExport:
                           "a graph is written back as one")
     part = kind.hf_export(config, source)
 
-    def name_of(name: str) -> str | None:
-        hf = part.name_of(name)
-        return None if hf is None else part.source_name(hf)
+    def assemble(tensors: dict) -> dict:  # the part's tensors (its experts or the tower's qkv joined), renamed
+        return {part.source_name(name): tensor for name, tensor in part.assemble(tensors).items()}
 
-    return HFExport(source.config, name_of, carried={part.source_name(n): s for n, s in part.carried.items()})
+    return HFExport(source.config, part.name_of, carried={part.source_name(n): s for n, s in part.carried.items()},
+                    assemble=assemble)
 
 
 def _same_source(sources: dict[str, HFCheckpoint]) -> HFCheckpoint:

@@ -101,7 +101,7 @@ class FullGraphModel(nn.Module):
         image_rows = torch.nonzero(batch["has_image"]).flatten()
         dna_rows = torch.nonzero(batch["has_dna"]).flatten()
         clip_rows = torch.nonzero(batch["has_clip"]).flatten()
-        h = self.llm.tok_embeddings(batch["tokens"])
+        h = self.llm.embed(batch["tokens"])
         if len(image_rows):
             h = merge_rows(h, 0, self.vision(batch["images"][image_rows]), image_rows)
         dna_sum = torch.zeros(())

@@ -33,7 +33,7 @@ class VisionLanguageModel(nn.Module):
 
     def forward(self, images: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         assert self.llm.tok_embeddings is not None
-        return self.llm(merge_image_embeddings(self.llm.tok_embeddings(tokens), self.vision(images)))
+        return self.llm(merge_image_embeddings(self.llm.embed(tokens), self.vision(images)))
 
 
 class VisionDnaLanguageModel(nn.Module):
@@ -54,7 +54,7 @@ class VisionDnaLanguageModel(nn.Module):
         assert self.llm.tok_embeddings is not None
         dna = self.dna(bases)
         embeddings = torch.cat([self.vision(images), padded_tokens(dna, self.dna.config)], dim=1)
-        return self.llm(merge_image_embeddings(self.llm.tok_embeddings(tokens), embeddings)), dna
+        return self.llm(merge_image_embeddings(self.llm.embed(tokens), embeddings)), dna
 
 
 class RegionBudgetSteps:

@@ -42,6 +42,9 @@ class GPTConfig:
     ffn_hidden_size: int | None = None
     seq_len: int = 64
     tie_embeddings: bool = False
+    # the token whose embedding row takes no gradient from its lookups (transformers' padding_idx, set from
+    # pad_token_id on import; with tie_embeddings the output layer still trains it); None: every row trains
+    pad_token_id: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     head_dim: int | None = None  # default hidden_size // num_heads
@@ -128,6 +131,9 @@ class GPTConfig:
         )
         if errors:
             return errors
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            errors.append(f"{module}.model.pad_token_id={self.pad_token_id} is not a token of the vocabulary of "
+                          f"{self.vocab_size}; use 0..{self.vocab_size - 1} or null")
         if self.rope_scaling.type not in ROPE_SCALINGS:
             errors.append(f"{module}.model.rope_scaling.type={self.rope_scaling.type!r} is not one of "
                           f"{', '.join(ROPE_SCALINGS)}")
@@ -270,6 +276,10 @@ class GPTConfig:
         if self.qk_norm_across_heads:
             errors.append(f"{where} normalizes q and k per head ({module}.model.qk_norm_across_heads=true); use the "
                           "native backend")
+        if self.pad_token_id is not None:
+            errors.append(f"{where} trains every embedding row, the pad token's too ({module}.model.pad_token_id="
+                          f"{self.pad_token_id}); set {module}.model.pad_token_id=null to train it, or use the native "
+                          "backend")
         if self.rotary_dim is not None and self.rotary_dim != self.head_size:
             errors.append(f"{where} turns every channel of a head ({module}.model.rotary_dim={self.rotary_dim}); use "
                           "the native backend")

@@ -14,7 +14,7 @@ exported back in the layout they came in, and a GPT with experts trained from sc
 family its routing matches (``hf_config``). Their ``router_aux_loss_coef`` is not mapped: hetero's
 ``balance_loss`` is a per-row loss that transformers' pooled one is not (``balance_pooled`` computes that
 one), and stays as the module's YAML sets it. GQA, RoPE theta and the ``llama3`` and ``yarn`` scalings,
-tied embeddings and the RMSNorm eps carry over. A field hetero does not model, or a value it does not
+tied embeddings, the RMSNorm eps and ``pad_token_id`` (the embedding row its lookups do not train) carry over. A field hetero does not model, or a value it does not
 model (another activation, sliding-window attention that the sequence reaches, biases on the output
 projection), is refused by name, as are the families of ``NOT_MODELLED`` and quantized weights. Fields
 that do not change what the weights compute (token ids, dtype, caching, initialization) are passed over:
@@ -54,7 +54,7 @@ NOT_MODELLED = {
 
 BOOKKEEPING = {
     "architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype", "use_cache",
-    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "output_hidden_states",
+    "bos_token_id", "eos_token_id", "initializer_range", "output_hidden_states",
     "output_attentions", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
     "problem_type", "tokenizer_class", "max_window_layers", "output_router_logits", "router_aux_loss_coef",
 }
@@ -69,7 +69,7 @@ MODELLED = {
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
     "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise", "shared_expert_intermediate_size", "qkv_bias",
     "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
-    "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers", "clip_qkv",
+    "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers", "clip_qkv", "pad_token_id",
 }
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
@@ -137,7 +137,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
         ffn_hidden_size=hf["intermediate_size"], seq_len=length,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pad_token_id=hf.get("pad_token_id"), rope_theta=theta,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         head_dim=head_dim if head_dim and head_dim != hf["hidden_size"] // heads else None,
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
@@ -360,7 +360,8 @@ def hf_config(config: GPTConfig) -> dict:
         "num_key_value_heads": config.kv_heads, "head_dim": config.head_size, "hidden_act": "silu",
         "max_position_embeddings": rope_context(config), TRAINED_LENGTH: config.seq_len,
         "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings, "rope_parameters": rope, "attention_dropout": 0.0,
+        "tie_word_embeddings": config.tie_embeddings, "pad_token_id": config.pad_token_id, "rope_parameters": rope,
+        "attention_dropout": 0.0,
         "dtype": "float32",
     }
     if model_type == "glm4_moe":
@@ -371,10 +372,9 @@ def hf_config(config: GPTConfig) -> dict:
         out |= {"num_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "moe_intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates,
                 "decoder_sparse_step": 1, "mlp_only_layers": sorted(set(config.dense_layers))}
-    elif model_type == "olmoe":  # pad_token_id None: transformers would never update that token's embedding
+    elif model_type == "olmoe":
         out |= {"num_experts": config.num_experts, "num_experts_per_tok": config.top_k,
-                "intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates, "clip_qkv": None,
-                "pad_token_id": None}
+                "intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates, "clip_qkv": None}
     elif model_type == "glm4_moe":
         out |= {"n_routed_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "moe_intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates,

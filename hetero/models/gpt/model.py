@@ -203,6 +203,7 @@ class GPT(nn.Module):
         self.reset_parameters()
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.sequence_part = (0, 1)  # (part, parts): under SP the plan says which part the embedding returns
 
     def reset_parameters(self) -> None:
         for module in self.modules():
@@ -217,6 +218,16 @@ class GPT(nn.Module):
                     nn.init.normal_(weight, std=0.02)
             elif isinstance(module, MoEFeedForward) and module.selection_bias is not None:
                 nn.init.zeros_(module.selection_bias)  # materialized from the meta device, it holds garbage
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (under SP this rank's part of the sequence); the pad token's lookups pass no
+        gradient to its row (transformers' padding_idx)."""
+        h = self.tok_embeddings(tokens)  # type: ignore[misc]
+        if self.config.pad_token_id is None:
+            return h
+        part, parts = self.sequence_part
+        padded = (tokens == self.config.pad_token_id).chunk(parts, 1)[part][..., None]
+        return torch.where(padded, h.detach(), h)
 
     def forward(
         self,
@@ -248,7 +259,7 @@ class GPT(nn.Module):
         cos, sin = cos.to(x.device), sin.to(x.device)
         # Float input is already embedded: hidden states from the previous stage, or the first stage's
         # embeddings with other modalities merged in.
-        h = x if torch.is_floating_point(x) else self.tok_embeddings(x)  # type: ignore[misc]
+        h = x if torch.is_floating_point(x) else self.embed(x)
         added: dict[int, list] = {}  # DeepStack: layer -> features to add after it
         for index, values, rows in inserts:
             values, *taps = values.split(config.hidden_size, -1)

@@ -96,6 +96,8 @@ def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool)
     top: dict[str, nn.Module] = {}
     if model.tok_embeddings is not None:  # vocab-parallel embedding
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        if sequence_parallel:
+            model.sequence_part = (mesh.coord.tp, mesh.layout.tp)
     if model.output is not None:  # vocab-parallel logits, consumed by loss_parallel
         top["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     if model.norm is not None and sequence_parallel:

@@ -38,8 +38,6 @@ from hetero.models.gpt.flops import gpt_forward_flops_per_token
 from hetero.models.gpt.megatron import MegatronGPT, to_megatron
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.moe import routed_layers
-
-ROUTER_TRAINING = ("balance_loss", "balance_pooled", "router_z_loss", "capacity_factor", "router_fp32")  # set on an imported MoE in YAML
 from hetero.models.gpt.plan import parallelize_gpt
 from hetero.kinds.batch_rows import take_rows
 from hetero.kinds.columns import INTEGER, LONG, Column, Dim, column_errors
@@ -49,7 +47,9 @@ from hetero.parallel.layout import Layout
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
 
-
+# how an imported model trains, the module's to set in YAML over the checkpoint's: the router's losses and
+# precision, and whether the pad token's embedding row trains (pad_token_id: null)
+TRAINING_CHOICES = ("balance_loss", "balance_pooled", "router_z_loss", "capacity_factor", "router_fp32", "pad_token_id")
 AUX_PARTS = ("balance_loss", "z_loss")
 
 
@@ -101,10 +101,10 @@ class GPTKind(Kind):
         from hetero.models.gpt.hf import check_weights, gpt_config
 
         checkpoint = open_part(path, "text")
-        training = {name: fields[name] for name in ROUTER_TRAINING if name in fields}  # the module's, not the checkpoint's
+        training = {name: fields[name] for name in TRAINING_CHOICES if name in fields}  # the module's, not the checkpoint's
         config = replace(gpt_config(checkpoint.config, fields.get("seq_len"), module),
                          backend=fields.get("backend", "native"), **training)
-        self.check_given(module, config, fields, {"seq_len", "backend", *ROUTER_TRAINING})
+        self.check_given(module, config, fields, {"seq_len", "backend", *TRAINING_CHOICES})
         check_weights(checkpoint, config, module)
         return config
 

@@ -203,7 +203,13 @@ class ViTConfig:
         if blocks:
             errors.append(f"{field_}: blocks {blocks} named by full_attention_blocks or deepstack_layers are not "
                           f"blocks 0..{self.num_layers - 1}")
-        if layout.tp > 1 or layout.pp > 1 or layout.cp > 1:
-            errors.append(f"{module}.layout: the {self.tower} tower runs its images over dp (and FSDP2) only, not "
-                          f"tp={layout.tp}, cp={layout.cp}, pp={layout.pp}; spread it with dp")
-        return errors
+        if layout.pp > 1 or layout.cp > 1:
+            errors.append(f"{module}.layout: the {self.tower} tower runs on one pipeline stage without context "
+                          f"parallelism, not cp={layout.cp}, pp={layout.pp}; spread it with dp and tp")
+        if options is not None and options.sequence_parallel and layout.tp > 1:
+            errors.append(f"{module}.parallel.sequence_parallel: the {self.tower} tower's TP ranks hold every patch "
+                          f"(its images are not one sequence to split); set it false")
+        return errors + transformer_layout_errors(
+            module, layout, num_heads=self.num_heads, num_kv_heads=self.num_heads, hidden_size=self.hidden_size,
+            ffn_hidden_size=self.ffn_size, num_layers=self.num_layers, seq_len=self.seq_len,
+            fsdp=options is not None and options.fsdp)

@@ -44,20 +44,22 @@ def _norm(config: ViTConfig, width: int) -> nn.Module:
 class TowerAttention(nn.Module):
     def __init__(self, config: ViTConfig):
         super().__init__()
-        self.heads, self.head_dim = config.num_heads, config.hidden_size // config.num_heads
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.head_dim = config.hidden_size // config.num_heads
+        # q, k and v apart (the checkpoints' fused ``qkv`` split on import) so that TP splits each by heads
+        self.q, self.k, self.v = (nn.Linear(config.hidden_size, config.hidden_size) for _ in range(3))
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[int]) -> torch.Tensor:
-        """``x`` (patches, hidden); ``groups``: consecutive lengths, each attending only within itself."""
-        q, k, v = self.qkv(x).view(len(x), 3, self.heads, self.head_dim).permute(1, 2, 0, 3)
+        """``x`` (patches, hidden); ``groups``: consecutive lengths, each attending only within itself. Under
+        TP this rank's heads only."""
+        q, k, v = (f(x).unflatten(-1, (-1, self.head_dim)).transpose(0, 1) for f in (self.q, self.k, self.v))
         q, k = apply_rope(q[None], cos, sin)[0], apply_rope(k[None], cos, sin)[0]
         if len(groups) <= 1:  # one group, or none on a replica without images (FSDP2's gathers still run)
             out = F.scaled_dot_product_attention(q, k, v)
         else:
             out = torch.cat([F.scaled_dot_product_attention(*parts) for parts in
                              zip(q.split(groups, 1), k.split(groups, 1), v.split(groups, 1))], 1)
-        return self.proj(out.transpose(0, 1).reshape(len(x), self.heads * self.head_dim))
+        return self.proj(out.transpose(0, 1).flatten(1))
 
 
 class TowerMLP(nn.Module):

@@ -1,6 +1,7 @@
 """Names of the Qwen2.5-VL and Qwen3-VL vision towers' weights in Hugging Face checkpoints (relative to the
-tower's prefix, the same in the hub's and transformers 5's layouts), mapped to ``QwenVisionTower``'s; the
-tensors keep their shapes."""
+tower's prefix, the same in the hub's and transformers 5's layouts), mapped to ``QwenVisionTower``'s. The
+tensors keep their shapes, but for each block's fused ``attn.qkv``: hetero holds q, k and v apart (so that
+TP splits each by heads), read as the fused tensor's thirds (``SplitQKV``) and joined again on export."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from hetero.interop.hf_checkpoint import HFExport, load_into
 from hetero.models.vit.config import ViTConfig
 
 _IN_BLOCK = {
-    "norm1": "attention_norm", "norm2": "mlp_norm", "attn.qkv": "attention.qkv", "attn.proj": "attention.proj",
+    "norm1": "attention_norm", "norm2": "mlp_norm", "attn.q": "attention.q", "attn.k": "attention.k",
+    "attn.v": "attention.v", "attn.proj": "attention.proj",
     "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up", "mlp.down_proj": "mlp.down",
     "mlp.linear_fc1": "mlp.up", "mlp.linear_fc2": "mlp.down",
 }
@@ -23,6 +25,8 @@ _MERGER = {"ln_q": "norm", "mlp.0": "proj_in", "mlp.2": "proj_out", "norm": "nor
            "linear_fc2": "proj_out"}
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _DEEPSTACK = re.compile(r"deepstack_merger_list\.(\d+)\.(.+)")
+_FUSED_QKV = re.compile(r"(blocks\.\d+\.attn)\.qkv\.(weight|bias)")
+_SPLIT_QKV = re.compile(r"(blocks\.\d+\.attn)\.([qkv])\.(weight|bias)")
 
 
 def tower_name(hf_name: str, config: ViTConfig) -> str:
@@ -43,9 +47,73 @@ def tower_name(hf_name: str, config: ViTConfig) -> str:
     raise ConfigError(f"vision tower weight {hf_name!r} has no place in hetero's {config.tower} tower")
 
 
+def split_qkv_names(names) -> dict[str, tuple[str, int]]:
+    """Of the checkpoint's ``names``, each block's ``attn.q|k|v.weight|bias`` -> (the fused tensor's name,
+    which third)."""
+    split = {}
+    for name in names:
+        if match := _FUSED_QKV.fullmatch(name):
+            for third, part in enumerate("qkv"):
+                split[f"{match.group(1)}.{part}.{match.group(2)}"] = (name, third)
+    return split
+
+
+def fuse_qkv(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors with each block's ``attn.q|k|v`` joined into its fused ``attn.qkv`` (an
+    export's ``HFExport.assemble``)."""
+    out = {}
+    for name, tensor in tensors.items():
+        if not (match := _SPLIT_QKV.fullmatch(name)):
+            out[name] = tensor
+        elif match.group(2) == "q":
+            block, leaf = match.group(1), match.group(3)
+            out[f"{block}.qkv.{leaf}"] = torch.cat([tensors[f"{block}.{p}.{leaf}"] for p in "qkv"])
+    return out
+
+
+class SplitQKV:
+    """A tower's checkpoint part (``QwenVLPart``) with each block's fused ``attn.qkv`` read as ``attn.q``,
+    ``attn.k`` and ``attn.v``: its rows' thirds, a TP rank's slice of each read alone."""
+
+    def __init__(self, part):
+        self.part, self.path, self.config = part, part.path, part.config
+        self.split = split_qkv_names(part.names())
+        fused = {fused for fused, _ in self.split.values()}
+        self.files = {name: None for name in part.names() if name not in fused} | dict.fromkeys(self.split)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.part.bytes_read
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.split:
+            return tuple(self.part.shape(name))
+        fused, _ = self.split[name]
+        rows, *rest = self.part.shape(fused)
+        return (rows // 3, *rest)
+
+    def tensor(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        if name not in self.split:
+            return self.part.tensor(name, index)
+        fused, third = self.split[name]
+        rows, *rest = self.shape(name)
+        index = index or tuple(slice(None) for _ in range(1 + len(rest)))
+        kept = range(rows)[index[0]]
+        start = third * rows + kept.start
+        return self.part.tensor(fused, (slice(start, start + len(kept)), *index[1:]))
+
+
 def tower_state(hf_state: dict[str, torch.Tensor], config: ViTConfig) -> dict[str, torch.Tensor]:
     """A whole tower's state dict from the checkpoint's (names relative to the tower)."""
-    return {tower_name(name, config): tensor for name, tensor in hf_state.items()}
+    state = dict(hf_state)
+    for name, (fused, third) in split_qkv_names(hf_state).items():
+        state[name] = hf_state[fused].chunk(3)[third]
+    for fused, _ in split_qkv_names(hf_state).values():
+        state.pop(fused, None)
+    return {tower_name(name, config): tensor for name, tensor in state.items()}
 
 
 ACTIVATIONS = {"qwen2.5-vl": "silu", "qwen3-vl": "gelu_pytorch_tanh"}
@@ -104,7 +172,7 @@ def check_tower_weights(part, config: ViTConfig, module: str) -> None:
     """Refuse a tower lacking a weight, holding one with no place, or one of another shape."""
     from hetero.models.vit.qwen_tower import QwenVisionTower
 
-    where = f"{module}.init.hf ({part.path})"
+    where, part = f"{module}.init.hf ({part.path})", SplitQKV(part)
     with torch.device("meta"):
         shapes = {name: tuple(t.shape) for name, t in QwenVisionTower(config).state_dict().items()}
     have = {tower_name(name, config): name for name in part.names()}
@@ -119,6 +187,7 @@ def check_tower_weights(part, config: ViTConfig, module: str) -> None:
 
 def load_tower(model, part) -> int:
     """Fill a Qwen tower (materialized) from its part of the checkpoint; the bytes read."""
+    part = SplitQKV(part)
     names = {tower_name(name, model.config): name for name in part.names()}
     return load_into(model.state_dict(keep_vars=True), part, names.get)
 
@@ -132,5 +201,5 @@ def tower_export(config: ViTConfig, source) -> HFExport:
     from hetero.interop.parts import open_part
 
     part = open_part(source, "vision")
-    names = {tower_name(name, config): name for name in part.names()}
-    return HFExport(part.config, names.get, part.raw)
+    names = {tower_name(name, config): name for name in SplitQKV(part).names()}
+    return HFExport(part.config, names.get, part.raw, assemble=fuse_qkv)

@@ -57,7 +57,7 @@ def test_compression_benchmark_prints_bytes_and_losses():
     rows = {line[:34].strip(): line.split() for line in done.stdout.splitlines()
             if " ± " in line and not line.startswith("method")}
     assert set(rows) == {"fp32 all-reduce", "int4 + EF"}
-    fewer = float(rows["int4 + EF"][-8])  # ... fewer, loss, ±, std, gap, gap/std, accuracy, EF residual
+    fewer = float(rows["int4 + EF"][-10])  # ... fewer, loss, ±, std, paired gap, ±, its std, gap/std, accuracy, EF residual
     assert 7 < fewer < 8  # 4-bit codes plus one bf16 scale per 64 entries: 32/4.25 = 7.53
 
 

@@ -9,8 +9,8 @@ int4 (with error feedback, and int4 without), PowerSGD and DiLoCo (plain and wit
 pseudo-gradients), and the peers: torch's DDP PowerSGD hook and torchft's DiLoCo (same H, same outer
 Nesterov SGD). Bytes are
 what each rank put on the wire for data-parallel sync (ring model, ``compression.collective``), per step,
-and ``fewer`` is the fp32 all-reduce's bytes divided by the method's. The gap is the method's mean
-held-out loss minus fp32's, also in units of the larger of the two seed standard deviations.
+and ``fewer`` is the fp32 all-reduce's bytes divided by the method's. The gap is paired (``seed_stats``): the
+mean over seeds of each seed's held-out loss minus fp32's on the same seed, ± the std of those differences.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import time
 
 from hetero.bench.compression_tasks import Method, ensure_data, run_text, run_vlm
-from hetero.bench.seed_stats import compare
+from hetero.bench.seed_stats import compare, paired_gap
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
 from hetero.testing.multiprocess import run_ranks
 
@@ -68,7 +68,7 @@ def run_method(task: str, method: Method, seeds: list[int], steps: int, ranks: i
     out = []
     for seed in seeds:
         results = run_ranks(TASKS[task], ranks, method, seed, steps, log_every, timeout_s=900)
-        out.append(results[0] | {"bytes": sum(r["bytes"] for r in results) / ranks})
+        out.append(results[0] | {"seed": seed, "bytes": sum(r["bytes"] for r in results) / ranks})
     return out
 
 
@@ -83,33 +83,34 @@ def summarize(task: str, results: dict[str, list[dict]], steps: int) -> list[dic
 
 
 def print_table(rows: list[dict], seeds: int) -> None:
-    print(f"\n{'method':<34} {'MB/step':>9} {'fewer':>8} {'loss mean ± std':>17} {'gap':>8} {'gap/std':>8} "
-          f"{'acc':>6} {'EF resid max/last':>18}")
+    print(f"\n{'method':<34} {'MB/step':>9} {'fewer':>8} {'loss mean ± std':>17} {'paired gap ± std':>18} "
+          f"{'gap/std':>8} {'acc':>6} {'EF resid max/last':>18}")
     for r in rows:
         acc = f"{r['accuracy']:.3f}" if r["accuracy"] is not None else "-"
         resid = f"{r['residual_max']:.3g}/{r['residual_last']:.3g}" if r["residual_max"] is not None else "-"
         print(f"{r['method']:<34} {r['bytes_per_step'] / 2**20:9.4f} {r['fewer']:8.1f} "
-              f"{r['loss']:9.4f} ± {r['std']:.4f} {r['gap']:+8.4f} {r['gap_in_std']:+8.2f} {acc:>6} {resid:>18}")
-    print(f"({seeds} seeds; gap = loss - fp32 loss; gap/std in units of the larger seed std of the two)")
+              f"{r['loss']:9.4f} ± {r['std']:.4f} {r['gap']:+9.4f} ± {r['gap_std']:.4f} {r['gap_in_std']:+8.2f} "
+              f"{acc:>6} {resid:>18}")
+    print(f"({seeds} seeds; paired gap: each seed's loss minus fp32's on the same seed, mean and std over seeds)")
 
 
-def verdicts(rows: list[dict]) -> list[str]:
-    """The issue's targets, checked on the measured rows of one task."""
+def verdicts(rows: list[dict], results: dict[str, list[dict]]) -> list[str]:
+    """The issue's targets, checked on the measured rows of one task (``results``: its runs by method)."""
     by = {r["method"]: r for r in rows}
     lines = []
     topk, int4 = by["top-k 1% + EF"], by["int4 + EF"]
-    lines.append(_verdict("top-k 1% + EF: >= 50x fewer bytes, gap within one seed-std",
+    lines.append(_verdict("top-k 1% + EF: >= 50x fewer bytes, paired gap within one paired std",
                           topk["fewer"] >= 50 and abs(topk["gap_in_std"]) <= 1, topk))
-    lines.append(_verdict("int4 + EF: >= 7x fewer bytes, no measurable gap (within one seed-std)",
+    lines.append(_verdict("int4 + EF: >= 7x fewer bytes, no measurable gap (within one paired std)",
                           int4["fewer"] >= 7 and abs(int4["gap_in_std"]) <= 1, int4))
-    plain = by[f"DiLoCo H={INNER_STEPS}"]
+    plain = results[f"DiLoCo H={INNER_STEPS}"]
     for name in (f"DiLoCo H={INNER_STEPS} int4", f"DiLoCo H={INNER_STEPS} int4 + EF",
                  f"DiLoCo H={INNER_STEPS} top-k 10% + EF"):
         row = by[name]
-        spread = max(row["std"], plain["std"])
-        gap = (row["loss"] - plain["loss"]) / spread
-        lines.append(_verdict(f"{name}: >= 200x fewer bytes than per-step fp32, gap to DiLoCo within one "
-                              f"seed-std (gap {gap:+.2f} std)", row["fewer"] >= 200 and abs(gap) <= 1, row))
+        mean, std = paired_gap(results[name], plain)
+        gap = mean / std if std else 0.0
+        lines.append(_verdict(f"{name}: >= 200x fewer bytes than per-step fp32, paired gap to DiLoCo within one "
+                              f"paired std (gap {gap:+.2f} std)", row["fewer"] >= 200 and abs(gap) <= 1, row))
     for peer in [r for r in rows if r["method"].startswith("peer:")]:
         ours = [r for r in rows if not r["method"].startswith("peer:") and r["bytes_per_step"] <= peer["bytes_per_step"]
                 and r["loss"] < peer["loss"]]
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n== {task}: {args.ranks} ranks, {args.steps} steps ==")
         print_table(rows, len(args.seeds))
         if not args.methods:
-            print("\n".join(verdicts(rows)), flush=True)
+            print("\n".join(verdicts(rows, results)), flush=True)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ Every method trains the same model from the same seeds on the same batches, in t
 fp32 all-reduce, top-k (of the gradient with EF or EF21, or of each AdamW update with EF), random-k, int8,
 int4 (with error feedback, and int4 without), PowerSGD and DiLoCo (plain and with compressed
 pseudo-gradients), and the peers: torch's DDP PowerSGD hook and torchft's DiLoCo (same H, same outer
-Nesterov SGD). Bytes are
-what each rank put on the wire for data-parallel sync (ring model, ``compression.collective``), per step,
-and ``fewer`` is the fp32 all-reduce's bytes divided by the method's. The gap is paired (``seed_stats``): the
-mean over seeds of each seed's held-out loss minus fp32's on the same seed, ± the std of those differences.
+Nesterov SGD). Bytes are what each rank put on the wire for data-parallel sync (ring model,
+``compression.collective``: values, indices and scales as encoded, the all-gather's fan-in), per step and
+as bits per parameter per step; ``fewer`` is the fp32 all-reduce's bytes divided by the method's. The gap is
+paired (``seed_stats``): the mean over seeds of each seed's held-out loss minus fp32's on the same seed, ±
+the std of those differences.
 """
 
 from __future__ import annotations
@@ -83,12 +84,12 @@ def summarize(task: str, results: dict[str, list[dict]], steps: int) -> list[dic
 
 
 def print_table(rows: list[dict], seeds: int) -> None:
-    print(f"\n{'method':<34} {'MB/step':>9} {'fewer':>8} {'loss mean ± std':>17} {'paired gap ± std':>18} "
+    print(f"\n{'method':<34} {'MB/step':>9} {'bits/param':>10} {'fewer':>8} {'loss mean ± std':>17} {'paired gap ± std':>18} "
           f"{'gap/std':>8} {'acc':>6} {'EF resid max/last':>18}")
     for r in rows:
         acc = f"{r['accuracy']:.3f}" if r["accuracy"] is not None else "-"
         resid = f"{r['residual_max']:.3g}/{r['residual_last']:.3g}" if r["residual_max"] is not None else "-"
-        print(f"{r['method']:<34} {r['bytes_per_step'] / 2**20:9.4f} {r['fewer']:8.1f} "
+        print(f"{r['method']:<34} {r['bytes_per_step'] / 2**20:9.4f} {r['bits_per_param']:10.4f} {r['fewer']:8.1f} "
               f"{r['loss']:9.4f} ± {r['std']:.4f} {r['gap']:+9.4f} ± {r['gap_std']:.4f} {r['gap_in_std']:+8.2f} "
               f"{acc:>6} {resid:>18}")
     print(f"({seeds} seeds; paired gap: each seed's loss minus fp32's on the same seed, mean and std over seeds)")

@@ -6,9 +6,9 @@
   ranks (global batch 16, one microbatch per rank); the score is the held-out loss, with the accuracy of
   the caption's digit token beside it.
 
-A rank function returns ``{"loss", "accuracy", "bytes", "residual"}``: the held-out score, the bytes this
-rank put on the wire for data-parallel sync over the run, and (hetero only) the error-feedback residual
-norm every ``log_every`` steps. hetero runs through the runtime with the method's
+A rank function returns ``{"loss", "accuracy", "bytes", "residual", "params"}``: the held-out score, the
+bytes this rank put on the wire for data-parallel sync over the run, (hetero only) the error-feedback
+residual norm every ``log_every`` steps, and the parameters the sync covers. hetero runs through the runtime with the method's
 ``compression`` block; the peers train the same model from the same seed on the same rows in a plain loop
 under DDP with torch's PowerSGD hook, or under torchft's DiLoCo.
 """
@@ -71,7 +71,8 @@ def run_text(rank: int, world_size: int, method: Method, seed: int, steps: int, 
             if (step + 1) % log_every == 0:
                 residual.append((step + 1, sync.residual_norm()))
         loss = runtime.evaluate({"tokens": x, "labels": y} for x, y in heldout)["llm.loss"]
-        return {"loss": loss, "accuracy": None, "bytes": sync.bytes_sent, "residual": residual}
+        return {"loss": loss, "accuracy": None, "bytes": sync.bytes_sent, "residual": residual,
+                "params": _params(runtime.modules["llm"].model)}
 
     torch.manual_seed(seed)
     model = GPT(TEXT_MODEL)
@@ -84,7 +85,7 @@ def run_text(rank: int, world_size: int, method: Method, seed: int, steps: int, 
     sent = _run_peer(method, model, local_loss, [(optim, list(model.parameters()))], steps, seed, 0.0)
     with torch.no_grad():
         loss = sum(float(token_loss_sum(model(x), y) / y.numel()) for x, y in heldout) / len(heldout)
-    return {"loss": loss, "accuracy": None, "bytes": sent, "residual": []}
+    return {"loss": loss, "accuracy": None, "bytes": sent, "residual": [], "params": _params(model)}
 
 
 def vlm_experiment(world_size: int, method: Method, steps: int):
@@ -119,7 +120,8 @@ def run_vlm(rank: int, world_size: int, method: Method, seed: int, steps: int, l
                 residual.append((step + 1, sum(n * n for n in norms) ** 0.5))
         scores = runtime.evaluate(heldout)
         sent = sum(m.replica_sync.bytes_sent for m in runtime.modules.values())
-        return {"loss": scores["llm.loss"], "accuracy": scores["llm.digit_accuracy"], "bytes": sent, "residual": residual}
+        return {"loss": scores["llm.loss"], "accuracy": scores["llm.digit_accuracy"], "bytes": sent, "residual": residual,
+                "params": sum(_params(m.model) for m in runtime.modules.values())}
 
     model = VisionLanguageModel(vision, llm, seed)
     rows = dp_rows(GLOBAL_BATCH, rank, world_size)
@@ -142,7 +144,12 @@ def run_vlm(rank: int, world_size: int, method: Method, seed: int, steps: int, l
             picked = logits[torch.arange(len(logits)), b["digit_position"]].argmax(-1)
             truth = b["labels"][torch.arange(len(logits)), b["digit_position"]]
             accuracies.append(float((picked == truth).float().mean()))
-    return {"loss": _mean(losses), "accuracy": _mean(accuracies), "bytes": sent, "residual": []}
+    return {"loss": _mean(losses), "accuracy": _mean(accuracies), "bytes": sent, "residual": [], "params": _params(model)}
+
+
+def _params(model: nn.Module) -> int:
+    """The parameters a replica's sync covers (every DP replica holds them all here)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def ensure_data() -> None:

@@ -26,8 +26,9 @@ def paired_gap(runs: list[dict], base: list[dict]) -> tuple[float, float]:
 
 
 def compare(results: dict[str, list[dict]], baseline: str, steps: int) -> list[dict]:
-    """One row per method from its runs (``seed``, ``loss``, ``bytes`` over the run, ``accuracy`` or None):
-    bytes per step, ``fewer`` (the baseline's bytes over the method's), loss mean and seed std, the paired
+    """One row per method from its runs (``seed``, ``loss``, ``bytes`` over the run, ``accuracy`` or None,
+    optionally ``params``): bytes per step, bits per parameter per step (``bits_per_param``, None without
+    ``params``), ``fewer`` (the baseline's bytes over the method's), loss mean and seed std, the paired
     gap to the baseline (``gap`` ± ``gap_std``), the gap in units of that std (``gap_in_std``; 0 for a gap
     of exactly 0), and the mean accuracy."""
     base = results[baseline]
@@ -40,6 +41,7 @@ def compare(results: dict[str, list[dict]], baseline: str, steps: int) -> list[d
         accuracy = None if runs[0]["accuracy"] is None else statistics.mean(r["accuracy"] for r in runs)
         rows.append({
             "method": name, "bytes_per_step": bytes_per_step,
+            "bits_per_param": 8 * bytes_per_step / runs[0]["params"] if "params" in runs[0] else None,
             "fewer": base_bytes / bytes_per_step if bytes_per_step else float("inf"),
             "loss": mean, "std": std, "gap": gap, "gap_std": gap_std,
             "gap_in_std": gap / gap_std if gap_std else (0.0 if gap == 0 else float("inf")),

@@ -52,6 +52,19 @@ def topk_sum(vectors, residuals, ratio, segment):
     return total
 
 
+def shared_topk_sum(vectors, residuals, ratio, segment, chooser):
+    """Error feedback with top-k entries shared by all: replica ``chooser`` picks them from its g + e; every
+    replica sends its g + e at those entries and keeps the rest."""
+    chosen = topk_sparsify(vectors[chooser] + residuals[chooser], ratio, segment) != 0
+    total = torch.zeros_like(vectors[0])
+    for i, g in enumerate(vectors):
+        v = g + residuals[i]
+        sent = torch.where(chosen, v, torch.zeros_like(v))
+        residuals[i] = v - sent
+        total += sent
+    return total
+
+
 def quant_sum(vectors, residuals, owner_residuals, bits, block, feedback=True):
     """Two-phase quantized sum: replicas quantize, chunk owners sum and quantize again (owner residual kept)."""
     n = len(vectors)

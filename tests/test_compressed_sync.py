@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from compression_oracle import owner_zeros, powersgd_sum, quant_sum, topk_sum
+from compression_oracle import owner_zeros, powersgd_sum, quant_sum, shared_topk_sum, topk_sum
 from hetero.parallel.compression.build import build_grad_sync
-from hetero.parallel.compression.collective import GroupCollective
+from hetero.parallel.compression.collective import GroupCollective, all_reduce_wire_bytes
 from hetero.parallel.compression.config import CompressorConfig
 from hetero.parallel.compression.powersgd import initial_q
 from hetero.testing.multiprocess import run_ranks
@@ -53,6 +53,22 @@ def test_topk_with_error_feedback_matches_the_oracle(world_size):
             torch.testing.assert_close(flat(out[step]), expected, rtol=1e-6, atol=1e-6)
     k_total = 13 * round(0.05 * 256)  # 13 segments of 256 after padding
     assert results[0][1] == STEPS * (world_size - 1) * k_total * 6  # fp32 value + uint16 index each
+
+
+def test_shared_topk_sums_every_replicas_values_at_one_replicas_choice_in_turn():
+    """3 replicas: step s's entries are replica s mod 3's top-k; the indices (2 bytes each, padded to an even
+    count) and the values (4 bytes) travel in two all-reduces, bytes flat in the replica count."""
+    config = CompressorConfig(method="shared_topk", ratio=0.05, segment=256)
+    results = run_ranks(sync_steps, 3, config, timeout_s=120)
+    residuals = [torch.zeros(3120) for _ in range(3)]
+    for step in range(STEPS):
+        expected = shared_topk_sum([flat(replica_grads(r, step)) for r in range(3)], residuals, 0.05, 256, step % 3)
+        for out, _ in results:
+            assert torch.equal(flat(out[step]), flat(results[0][0][step]))  # every replica the same bits
+            torch.testing.assert_close(flat(out[step]), expected, rtol=1e-6, atol=1e-6)
+    kept = 13 * round(0.05 * 256)  # 13 segments of 256 after padding
+    per_step = all_reduce_wire_bytes(2 * (kept + kept % 2), 3) + all_reduce_wire_bytes(4 * kept, 3)
+    assert [bytes_sent for _, bytes_sent in results] == [STEPS * per_step] * 3
 
 
 @pytest.mark.parametrize("bits", [8, 4])

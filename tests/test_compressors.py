@@ -111,3 +111,18 @@ def _normal_abs_quantile(q):
         else:
             hi = mid
     return lo
+
+
+def test_shared_topk_bytes_per_worker_stay_flat_as_workers_are_added_where_topks_grow():
+    """From the collective model (``compression_fan_in``): 100,000 parameters at 4, 8, 16 and 64 workers."""
+    from hetero.bench.compression_fan_in import WORKERS, bytes_per_worker
+    from hetero.parallel.compression.config import CompressorConfig
+
+    params, segments = 100_000, math.ceil(100_000 / 1024)
+    kept = segments * round(0.01 * 1024)
+    shared = [bytes_per_worker(CompressorConfig(method="shared_topk", ratio=0.01), params, n) for n in WORKERS]
+    topk = [bytes_per_worker(CompressorConfig(method="topk", ratio=0.01), params, n) for n in WORKERS]
+    assert shared == [all_reduce_wire_bytes(2 * (kept + kept % 2), n) + all_reduce_wire_bytes(4 * kept, n)
+                      for n in WORKERS]
+    assert topk == [all_gather_wire_bytes(6 * kept, n) for n in WORKERS]
+    assert shared[-1] / shared[0] < 1.32 and topk[-1] / topk[0] == 21  # 2·63/64 over 2·3/4; 63 over 3

@@ -2,9 +2,11 @@
 
     hetero bench compression [--tasks text vlm] [--seeds 0 1 2] [--steps 320] [--ranks 2]
     hetero bench compression --ef-steps 1000     # error-feedback residuals over a long run
+    hetero bench compression --fan-in            # bytes per worker at 4 to 64 workers (compression_fan_in)
 
 Every method trains the same model from the same seeds on the same batches, in this one run: hetero's
-fp32 all-reduce, top-k (of the gradient with EF or EF21, or of each AdamW update with EF), random-k, int8,
+fp32 all-reduce, top-k (of the gradient with EF or EF21, or of each AdamW update with EF), shared top-k
+(``--fan-in``), random-k, int8,
 int4 (with error feedback, and int4 without), PowerSGD and DiLoCo (plain and with compressed
 pseudo-gradients), and the peers: torch's DDP PowerSGD hook and torchft's DiLoCo (same H, same outer
 Nesterov SGD). Bytes are what each rank put on the wire for data-parallel sync (ring model,
@@ -20,6 +22,7 @@ import argparse
 import os
 import time
 
+from hetero.bench.compression_fan_in import print_fan_in
 from hetero.bench.compression_tasks import Method, ensure_data, run_text, run_vlm
 from hetero.bench.seed_stats import compare, paired_gap
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
@@ -49,6 +52,7 @@ METHODS = [
     Method("top-k 1% + EF", compression=per_step("topk", ratio=0.01)),
     Method("top-k 1% + EF21", compression=per_step("topk", "ef21", ratio=0.01)),
     Method("top-k 1% + EF, AdamW update", compression=per_update("topk", ratio=0.01)),
+    Method("shared top-k 1% + EF", compression=per_step("shared_topk", ratio=0.01)),
     Method("random-k 1% + EF", compression=per_step("randomk", ratio=0.01)),
     Method("int8 + EF", compression=per_step("int8")),
     Method("int4 + EF", compression=per_step("int4")),
@@ -61,6 +65,7 @@ METHODS = [
     Method(f"DiLoCo H={INNER_STEPS} int4", compression=diloco("int4")),
     Method(f"DiLoCo H={INNER_STEPS} int4 + EF", compression=diloco("int4", "ef")),
     Method(f"DiLoCo H={INNER_STEPS} top-k 10% + EF", compression=diloco("topk", "ef", ratio=0.1)),
+    Method(f"DiLoCo H={INNER_STEPS} shared top-k 10% + EF", compression=diloco("shared_topk", "ef", ratio=0.1)),
     Method(f"peer: torchft DiLoCo H={INNER_STEPS}", engine="torchft_diloco", inner_steps=INNER_STEPS),
 ]
 
@@ -153,7 +158,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (2-4 on a small machine)")
     parser.add_argument("--methods", nargs="+", help="method names, or parts of names, to run (fp32 always runs)")
     parser.add_argument("--ef-steps", type=int, default=0, help="instead: one long run logging EF residuals")
+    parser.add_argument("--fan-in", action="store_true", help="instead: bytes per worker at 4 to 64 workers")
+    parser.add_argument("--params", type=int, default=1_000_000, help="with --fan-in: the parameters synced")
     args = parser.parse_args(argv)
+    if args.fan_in:
+        print_fan_in(args.params)
+        return
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at INFO
     if args.ef_steps:
         ef_run(args.ef_steps, args.ranks)

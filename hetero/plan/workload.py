@@ -62,7 +62,7 @@ def gradient_wire_ratio(compression: CompressionConfig) -> float:
     def ratio(c: CompressorConfig) -> float:
         if c.method in ("int8", "int4"):
             return ((1.0 if c.method == "int8" else 0.5) + 4 / c.block_size) / 4
-        if c.method == "topk":
+        if c.method in ("topk", "shared_topk"):
             return c.ratio * 6 / 4  # fp32 value + uint16 index within a segment
         if c.method == "randomk":
             return c.ratio  # indices come from a shared seed

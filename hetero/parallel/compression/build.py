@@ -7,7 +7,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from hetero.parallel.compression.codecs import BlockQuant, Codec, RandomK, TopK
+from hetero.parallel.compression.codecs import BlockQuant, Codec, RandomK, SharedTopK, TopK
 from hetero.parallel.compression.collective import Collective, GroupCollective
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig
 from hetero.parallel.compression.diloco import DiLoCo
@@ -20,6 +20,8 @@ def build_codec(config: CompressorConfig, seed: int = 0) -> Codec | None:
     """The codec of ``config.method`` (None for plain fp32 sums; PowerSGD is a sync of its own)."""
     if config.method == "topk":
         return TopK(config.ratio, config.segment)
+    if config.method == "shared_topk":
+        return SharedTopK(config.ratio, config.segment)
     if config.method == "randomk":
         return RandomK(config.ratio, seed)
     if config.method in ("int8", "int4"):
@@ -53,7 +55,7 @@ def diloco_feedback(config: CompressorConfig) -> str:
     """``auto`` keeps error feedback for sparsified pseudo-gradients only (see ``diloco`` for why)."""
     if config.error_feedback != "auto":
         return config.error_feedback
-    return "ef" if config.method in ("topk", "randomk") else "none"
+    return "ef" if config.method in ("topk", "shared_topk", "randomk") else "none"
 
 
 def build_diloco(

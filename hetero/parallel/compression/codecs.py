@@ -6,6 +6,11 @@ what was not sent. ``state`` is a dict the caller keeps per bucket and checkpoin
 
 - ``TopK``: per segment of ``segment`` elements the ``k`` largest magnitudes, as fp32 values and uint16
   in-segment indices (6 bytes per kept element), all-gathered: replicas pick different entries.
+- ``SharedTopK``: top-k whose indices every replica shares, so values sum in an all-reduce and the bytes
+  per replica stay flat as replicas are added (``TopK``'s all-gather grows with them). Each call one
+  replica in turn picks, per segment, the ``k`` largest magnitudes of its own vector; the indices (uint16)
+  reach the others in an all-reduce to which only it contributes, every replica's values at them (fp32)
+  in a second one.
 - ``RandomK``: the same ``ratio`` of entries on every replica (a generator seeded by the call count), so
   only the values travel, in a plain all-reduce.
 - ``BlockQuant``: int8 or int4 codes with one bf16 scale per block, summed in two phases: each replica
@@ -88,6 +93,38 @@ class TopK:
             got_indices = _view(row[split:], torch.uint16).view(indices.shape)
             total += scatter_segments(got_values, got_indices, grad.numel(), self.segment)
         return total
+
+
+class SharedTopK(_FeedbackByDifference):
+    biased = True
+
+    def __init__(self, ratio: float, segment: int = 1024):
+        self.segment = segment
+        self.k = max(1, round(ratio * segment))
+
+    def contraction(self) -> float:
+        """Worst-case ||C(x) - x||^2 / ||x||^2 on a replica whose turn it is not: the chosen entries may hold
+        none of its mass."""
+        return 1.0
+
+    def exchange(self, v: torch.Tensor, comm: Collective, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        calls = int(state.get("calls", 0))
+        state["calls"] = calls + 1
+        segments = _pad(v, self.segment).view(-1, self.segment)
+        count = segments.shape[0] * self.k
+        wire = torch.zeros(count + count % 2, dtype=torch.int16, device=v.device)  # viewed as int32 below
+        indices = wire[:count].view(-1, self.k)
+        if comm.rank == calls % comm.size:  # this replica's turn to choose
+            order = torch.sort(segments.abs(), dim=1, descending=True, stable=True).indices[:, : self.k]
+            indices.copy_(order.sort(dim=1).values.to(torch.uint16).view(torch.int16))
+        # a sum with one contributor carries its bits: 2 bytes an index, as int32 (no 16-bit sums in gloo)
+        comm.all_reduce(wire.view(torch.int32))
+        chosen = indices.view(torch.uint16).long()
+        values = segments.gather(1, chosen).contiguous()
+        own = torch.zeros_like(segments).scatter_(1, chosen, values).view(-1)
+        comm.all_reduce(values)
+        total = torch.zeros_like(segments).scatter_(1, chosen, values).view(-1)
+        return total[: v.numel()], own[: v.numel()]
 
 
 class RandomK(_FeedbackByDifference):

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 
 from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 
-METHODS = ("none", "topk", "randomk", "int8", "int4", "powersgd")
+METHODS = ("none", "topk", "shared_topk", "randomk", "int8", "int4", "powersgd")
 FEEDBACK = ("auto", "ef", "ef21", "none")
 
 
 @dataclass
 class CompressorConfig:
-    method: str = "none"  # none (fp32 all-reduce) | topk | randomk | int8 | int4 | powersgd
-    ratio: float = 0.01  # topk, randomk: fraction of entries sent
-    segment: int = 1024  # topk: entries per selection segment (indices are uint16 within one)
+    method: str = "none"  # none (fp32 all-reduce) | topk | shared_topk | randomk | int8 | int4 | powersgd
+    ratio: float = 0.01  # topk, shared_topk, randomk: fraction of entries sent
+    segment: int = 1024  # topk, shared_topk: entries per selection segment (indices are uint16 within one)
     block_size: int = 64  # int8, int4: entries sharing one scale
     rank: int = 4  # powersgd: rank of the approximation
     error_feedback: str = "auto"  # auto (ef for the biased methods) | ef | ef21 | none
@@ -82,7 +82,7 @@ class DiLoCoConfig:
                 f"{where}.fragments={self.fragments} must be at least 1 and divide inner_steps={self.inner_steps}"
             )
         if self.pseudo_grad.method == "powersgd":
-            found.append(f"{where}.pseudo_grad.method=powersgd is not supported; use topk, randomk, int8 or int4")
+            found.append(f"{where}.pseudo_grad.method=powersgd is not supported; use topk, shared_topk, randomk, int8 or int4")
         if self.pseudo_grad.error_feedback == "ef21":
             found.append(f"{where}.pseudo_grad.error_feedback=ef21 is not supported; use ef or none")
         return found

@@ -53,9 +53,15 @@ def topk_sum(vectors, residuals, ratio, segment):
 
 
 def shared_topk_sum(vectors, residuals, ratio, segment, chooser):
-    """Error feedback with top-k entries shared by all: replica ``chooser`` picks them from its g + e; every
-    replica sends its g + e at those entries and keeps the rest."""
-    chosen = topk_sparsify(vectors[chooser] + residuals[chooser], ratio, segment) != 0
+    """Error feedback with top-k entries shared by all: replica ``chooser`` picks them from its g + e (equal
+    magnitudes, e.g. zeros, to the lower index); every replica sends its g + e at those entries and keeps the
+    rest."""
+    k, v = max(1, round(ratio * segment)), vectors[chooser] + residuals[chooser]
+    padded = pad(v, segment).view(-1, segment)
+    chosen = torch.zeros_like(padded, dtype=torch.bool)
+    for row in range(padded.shape[0]):
+        chosen[row, torch.sort(padded[row].abs(), descending=True, stable=True).indices[:k]] = True
+    chosen = chosen.view(-1)[: v.numel()]
     total = torch.zeros_like(vectors[0])
     for i, g in enumerate(vectors):
         v = g + residuals[i]

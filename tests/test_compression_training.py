@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compression_oracle import owner_zeros, quant_sum, topk_sum
+from compression_oracle import owner_zeros, quant_sum, shared_topk_sum, topk_sum
 from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.config import GPTConfig
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
@@ -137,9 +137,10 @@ def test_compressed_sync_training_matches_the_oracle(method):
             torch.testing.assert_close(got_params[name], p.detach(), rtol=1e-5, atol=1e-5)
 
 
-def oracle_diloco(steps, inner_steps, fragments, pseudo_method="none"):
+def oracle_diloco(steps, inner_steps, fragments, pseudo_method="none", decay=1.0, outer_lr=0.7, momentum_factor=0.9):
     """Two replicas train alone; every inner_steps/fragments steps one fragment's deltas are averaged and
-    applied to the anchor by Nesterov SGD (lr 0.7, momentum 0.9), then copied back to both replicas."""
+    applied to the anchor by Nesterov SGD (``outer_lr``, ``momentum_factor``), then copied back to both
+    replicas. ``shared_topk``: replica r mod 2 chooses the entries of round r, the residuals decay by ``decay``."""
     torch.manual_seed(SEED)
     models = [GPT(CONFIG)]
     models.append(copy.deepcopy(models[0]))
@@ -148,7 +149,7 @@ def oracle_diloco(steps, inner_steps, fragments, pseudo_method="none"):
     parts = _split_evenly(names, [p.numel() for p in models[0].parameters()], fragments)
     anchor = {n: p.detach().clone() for n, p in models[0].named_parameters()}
     momentum = {n: torch.zeros_like(a) for n, a in anchor.items()}
-    residuals, owners = {}, {}
+    residuals, owners, rounds = {}, {}, {}
     period = inner_steps // fragments
     losses = []
     for step, (tokens, labels) in enumerate(batches(steps)):
@@ -169,18 +170,40 @@ def oracle_diloco(steps, inner_steps, fragments, pseudo_method="none"):
             residuals.setdefault(fragment, [torch.zeros(numel) for _ in range(2)])
             owners.setdefault(fragment, owner_zeros(numel, 2, 64))
             mean = quant_sum(deltas, residuals[fragment], owners[fragment], 4, 64) / 2
+        elif pseudo_method == "shared_topk":
+            kept = residuals.setdefault(fragment, [torch.zeros(deltas[0].numel()) for _ in range(2)])
+            kept[:] = [decay * r for r in kept]
+            rounds[fragment] = rounds.get(fragment, -1) + 1
+            mean = shared_topk_sum(deltas, kept, 0.1, 256, rounds[fragment] % 2) / 2
         else:
             mean = sum(deltas) / 2
         offset = 0
         for n in part:
             g = mean[offset : offset + anchor[n].numel()].view_as(anchor[n])
             offset += anchor[n].numel()
-            momentum[n] = 0.9 * momentum[n] + g
-            anchor[n] = anchor[n] - 0.7 * (g + 0.9 * momentum[n])
+            momentum[n] = momentum_factor * momentum[n] + g
+            anchor[n] = anchor[n] - outer_lr * (g + momentum_factor * momentum[n])
             with torch.no_grad():
                 for p in params:
                     p[n].copy_(anchor[n])
     return losses, dict(models[0].named_parameters()), dict(models[1].named_parameters())
+
+
+def test_diloco_with_shared_topk_and_decayed_error_feedback_matches_the_oracle():
+    """SparseLoCo's structure: no outer momentum, the error-feedback residual decayed each round (0.8), the
+    pseudo-gradients' top-k entries chosen by each replica in turn."""
+    pseudo = CompressorConfig(method="shared_topk", ratio=0.1, segment=256)
+    compression = CompressionConfig(diloco=DiLoCoConfig(inner_steps=2, outer_lr=1.0, outer_momentum=0.0,
+                                                        error_decay=0.8, pseudo_grad=pseudo))
+    steps = 8
+    results = run_ranks(train, 2, compression, steps, timeout_s=180)
+    losses, params0, params1 = oracle_diloco(steps, 2, 1, "shared_topk", decay=0.8, outer_lr=1.0, momentum_factor=0.0)
+    for rank, (got_losses, got_params, _) in enumerate(results):
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        for name, p in (params0 if rank == 0 else params1).items():
+            torch.testing.assert_close(got_params[name], p.detach(), rtol=1e-5, atol=1e-5)
+    _, without_decay, _ = oracle_diloco(steps, 2, 1, "shared_topk", decay=1.0, outer_lr=1.0, momentum_factor=0.0)
+    assert any(not torch.allclose(params0[n], without_decay[n], rtol=1e-5, atol=1e-5) for n in params0)
 
 
 @pytest.mark.parametrize(

@@ -192,7 +192,7 @@ CASES = {
     ),
     "unknown compression method": (
         setter("vision.compression", {"grad": {"method": "int2"}}),
-        r"vision\.compression\.grad\.method='int2' is not one of none, topk, randomk, int8, int4, powersgd",
+        r"vision\.compression\.grad\.method='int2' is not one of none, topk, shared_topk, randomk, int8, int4, powersgd",
     ),
     "top-k ratio out of range": (
         setter("vision.compression", {"grad": {"method": "topk", "ratio": 1.5}}),
@@ -205,6 +205,12 @@ CASES = {
     "DiLoCo fragments that do not divide the inner steps": (
         setter("vision.compression", {"diloco": {"inner_steps": 10, "fragments": 3}}),
         r"vision\.compression\.diloco\.fragments=3 must be at least 1 and divide inner_steps=10",
+    ),
+    "a decayed error feedback on pseudo-gradients that keep none": (
+        setter("vision.compression", {"diloco": {"inner_steps": 8, "error_decay": 0.9,
+                                                 "pseudo_grad": {"method": "int4"}}}),
+        r"vision\.compression\.diloco\.error_decay=0\.9 decays the error-feedback residual, which "
+        r"vision\.compression\.diloco\.pseudo_grad \(method=int4\) does not keep",
     ),
     "DiLoCo with context parallelism": (
         both(setter("llm.layout", {"cp": 2, "dp": 2}), setter("llm.compression", {"diloco": {"inner_steps": 8}})),

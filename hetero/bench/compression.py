@@ -3,6 +3,7 @@
     hetero bench compression [--tasks text vlm] [--seeds 0 1 2] [--steps 320] [--ranks 2]
     hetero bench compression --ef-steps 1000     # error-feedback residuals over a long run
     hetero bench compression --fan-in            # bytes per worker at 4 to 64 workers (compression_fan_in)
+    hetero bench compression --ceiling           # uncompressed DiLoCo's gap by H and outer lr (diloco_ceiling)
 
 Every method trains the same model from the same seeds on the same batches, in this one run: hetero's
 fp32 all-reduce, top-k (of the gradient with EF or EF21, or of each AdamW update with EF), shared top-k
@@ -24,6 +25,7 @@ import time
 
 from hetero.bench.compression_fan_in import print_fan_in
 from hetero.bench.compression_tasks import Method, ensure_data, run_text, run_vlm
+from hetero.bench.diloco_ceiling import print_ceiling
 from hetero.bench.seed_stats import compare, paired_gap
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
 from hetero.testing.multiprocess import run_ranks
@@ -36,9 +38,11 @@ def per_step(method: str, error_feedback: str = "auto", **options) -> Compressio
     return CompressionConfig(grad=CompressorConfig(method=method, error_feedback=error_feedback, **options))
 
 
-def diloco(method: str = "none", error_feedback: str = "auto", **options) -> CompressionConfig:
+def diloco(method: str = "none", error_feedback: str = "auto", outer: dict | None = None, **options
+           ) -> CompressionConfig:
+    """DiLoCo at H=INNER_STEPS, its pseudo-gradients compressed by ``method``; ``outer``: DiLoCoConfig fields."""
     pseudo = CompressorConfig(method=method, error_feedback=error_feedback, **options)
-    return CompressionConfig(diloco=DiLoCoConfig(inner_steps=INNER_STEPS, pseudo_grad=pseudo))
+    return CompressionConfig(diloco=DiLoCoConfig(inner_steps=INNER_STEPS, pseudo_grad=pseudo, **(outer or {})))
 
 
 def per_update(method: str, **options) -> CompressionConfig:
@@ -66,6 +70,9 @@ METHODS = [
     Method(f"DiLoCo H={INNER_STEPS} int4 + EF", compression=diloco("int4", "ef")),
     Method(f"DiLoCo H={INNER_STEPS} top-k 10% + EF", compression=diloco("topk", "ef", ratio=0.1)),
     Method(f"DiLoCo H={INNER_STEPS} shared top-k 10% + EF", compression=diloco("shared_topk", "ef", ratio=0.1)),
+    Method(f"H={INNER_STEPS} shared 10% + decayed EF",  # SparseLoCo's structure: DiLoCo without outer momentum
+           compression=diloco("shared_topk", "ef", {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95},
+                              ratio=0.1)),
     Method(f"peer: torchft DiLoCo H={INNER_STEPS}", engine="torchft_diloco", inner_steps=INNER_STEPS),
 ]
 
@@ -160,9 +167,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ef-steps", type=int, default=0, help="instead: one long run logging EF residuals")
     parser.add_argument("--fan-in", action="store_true", help="instead: bytes per worker at 4 to 64 workers")
     parser.add_argument("--params", type=int, default=1_000_000, help="with --fan-in: the parameters synced")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="instead: uncompressed DiLoCo's paired gap for H in 4..32 and three outer learning rates")
     args = parser.parse_args(argv)
     if args.fan_in:
         print_fan_in(args.params)
+        return
+    if args.ceiling:
+        print_ceiling(args.seeds, args.steps, args.ranks)
         return
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at INFO
     if args.ef_steps:

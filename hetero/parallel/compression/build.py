@@ -51,15 +51,8 @@ def build_grad_sync(
     return CompressedGradSync(named_params, comm, codec, config.feedback, bucket_bytes)
 
 
-def diloco_feedback(config: CompressorConfig) -> str:
-    """``auto`` keeps error feedback for sparsified pseudo-gradients only (see ``diloco`` for why)."""
-    if config.error_feedback != "auto":
-        return config.error_feedback
-    return "ef" if config.method in ("topk", "shared_topk", "randomk") else "none"
-
-
 def build_diloco(
     config: CompressionConfig, named_params: Iterable[tuple[str, nn.Parameter]], comm: Collective, seed: int = 0
 ) -> DiLoCo:
     pseudo = config.diloco.pseudo_grad
-    return DiLoCo(named_params, comm, config.diloco, build_codec(pseudo, seed), diloco_feedback(pseudo))
+    return DiLoCo(named_params, comm, config.diloco, build_codec(pseudo, seed), config.diloco.feedback)

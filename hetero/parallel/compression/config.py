@@ -68,10 +68,20 @@ class DiLoCoConfig:
     outer_momentum: float = 0.9  # Nesterov
     fragments: int = 1  # streaming DiLoCo: sync one fragment of the layers every inner_steps/fragments steps
     pseudo_grad: CompressorConfig = field(default_factory=CompressorConfig)
+    # with error feedback: the residual carried into each round times this (SparseLoCo's decayed error
+    # feedback, used with outer_momentum 0 in place of the outer momentum); 1 keeps all of it
+    error_decay: float = 1.0
 
     @property
     def enabled(self) -> bool:
         return self.inner_steps > 0
+
+    @property
+    def feedback(self) -> str:
+        """The pseudo-gradients' error feedback: ``auto`` keeps it for sparsified ones only (see ``diloco``)."""
+        if self.pseudo_grad.error_feedback != "auto":
+            return self.pseudo_grad.error_feedback
+        return "ef" if self.pseudo_grad.method in ("topk", "shared_topk", "randomk") else "none"
 
     def errors(self, where: str) -> list[str]:
         found = self.pseudo_grad.errors(f"{where}.pseudo_grad")
@@ -85,6 +95,12 @@ class DiLoCoConfig:
             found.append(f"{where}.pseudo_grad.method=powersgd is not supported; use topk, shared_topk, randomk, int8 or int4")
         if self.pseudo_grad.error_feedback == "ef21":
             found.append(f"{where}.pseudo_grad.error_feedback=ef21 is not supported; use ef or none")
+        if not 0 < self.error_decay <= 1:
+            found.append(f"{where}.error_decay={self.error_decay} must be in (0, 1]")
+        elif self.error_decay < 1 and (self.pseudo_grad.method == "none" or self.feedback != "ef"):
+            found.append(f"{where}.error_decay={self.error_decay} decays the error-feedback residual, which "
+                         f"{where}.pseudo_grad (method={self.pseudo_grad.method}) does not keep; set "
+                         f"{where}.pseudo_grad.error_feedback=ef with a compressing method, or error_decay=1")
         return found
 
 

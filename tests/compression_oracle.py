@@ -52,23 +52,28 @@ def topk_sum(vectors, residuals, ratio, segment):
     return total
 
 
-def shared_topk_sum(vectors, residuals, ratio, segment, chooser):
+def shared_topk_sum(vectors, residuals, ratio, segment, chooser, bits=None, owners=None, block=64):
     """Error feedback with top-k entries shared by all: replica ``chooser`` picks them from its g + e (equal
-    magnitudes, e.g. zeros, to the lower index); every replica sends its g + e at those entries and keeps the
-    rest."""
-    k, v = max(1, round(ratio * segment)), vectors[chooser] + residuals[chooser]
-    padded = pad(v, segment).view(-1, segment)
-    chosen = torch.zeros_like(padded, dtype=torch.bool)
-    for row in range(padded.shape[0]):
-        chosen[row, torch.sort(padded[row].abs(), descending=True, stable=True).indices[:k]] = True
-    chosen = chosen.view(-1)[: v.numel()]
-    total = torch.zeros_like(vectors[0])
-    for i, g in enumerate(vectors):
-        v = g + residuals[i]
-        sent = torch.where(chosen, v, torch.zeros_like(v))
-        residuals[i] = v - sent
-        total += sent
-    return total
+    magnitudes, e.g. zeros, to the lower index); every replica sends its g + e at those entries (with
+    ``bits``, their two-phase quantized sum, ``owners`` its chunk owners' residuals) and keeps the rest."""
+    k, numel = max(1, round(ratio * segment)), vectors[0].numel()
+    padded = [pad(g + e, segment) for g, e in zip(vectors, residuals)]
+    rows = padded[chooser].view(-1, segment)
+    chosen = torch.zeros_like(rows, dtype=torch.bool)
+    for row in range(rows.shape[0]):
+        chosen[row, torch.sort(rows[row].abs(), descending=True, stable=True).indices[:k]] = True
+    chosen = chosen.view(-1)
+    compact = [v[chosen] for v in padded]
+    if bits is None:
+        sent, summed = compact, sum(compact)
+    else:
+        errors = [torch.zeros_like(c) for c in compact]
+        summed = quant_sum(compact, errors, owners, bits, block)
+        sent = [c - e for c, e in zip(compact, errors)]  # what each replica's codes decode to
+    for i, v in enumerate(padded):
+        residuals[i] = v.masked_scatter(chosen, v[chosen] - sent[i])[:numel]
+    total = torch.zeros_like(padded[0]).masked_scatter(chosen, summed)
+    return total[:numel]
 
 
 def quant_sum(vectors, residuals, owner_residuals, bits, block, feedback=True):

@@ -1,6 +1,8 @@
 """Compressed gradient syncs on 2 and 4 gloo ranks give what the single-process oracle computes from every
 replica's gradient at once, step after step (error-feedback state carried), and count their bytes."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,7 +10,12 @@ from torch import nn
 
 from compression_oracle import owner_zeros, powersgd_sum, quant_sum, shared_topk_sum, topk_sum
 from hetero.parallel.compression.build import build_grad_sync
-from hetero.parallel.compression.collective import GroupCollective, all_reduce_wire_bytes
+from hetero.parallel.compression.collective import (
+    GroupCollective,
+    all_gather_wire_bytes,
+    all_reduce_wire_bytes,
+    all_to_all_wire_bytes,
+)
 from hetero.parallel.compression.config import CompressorConfig
 from hetero.parallel.compression.powersgd import initial_q
 from hetero.testing.multiprocess import run_ranks
@@ -55,20 +62,29 @@ def test_topk_with_error_feedback_matches_the_oracle(world_size):
     assert results[0][1] == STEPS * (world_size - 1) * k_total * 6  # fp32 value + uint16 index each
 
 
-def test_shared_topk_sums_every_replicas_values_at_one_replicas_choice_in_turn():
+@pytest.mark.parametrize("value_bits", [32, 4])
+def test_shared_topk_sums_every_replicas_values_at_one_replicas_choice_in_turn(value_bits):
     """3 replicas: step s's entries are replica s mod 3's top-k; the indices (2 bytes each, padded to an even
-    count) and the values (4 bytes) travel in two all-reduces, bytes flat in the replica count."""
-    config = CompressorConfig(method="shared_topk", ratio=0.05, segment=256)
+    count) travel in an all-reduce, the values in another (fp32) or in the two-phase quantized sum (int4),
+    bytes flat in the replica count."""
+    config = CompressorConfig(method="shared_topk", ratio=0.05, segment=256, value_bits=value_bits)
     results = run_ranks(sync_steps, 3, config, timeout_s=120)
     residuals = [torch.zeros(3120) for _ in range(3)]
+    kept = 13 * round(0.05 * 256)  # 13 segments of 256 after padding
+    owners = owner_zeros(kept, 3, 64)
     for step in range(STEPS):
-        expected = shared_topk_sum([flat(replica_grads(r, step)) for r in range(3)], residuals, 0.05, 256, step % 3)
+        expected = shared_topk_sum([flat(replica_grads(r, step)) for r in range(3)], residuals, 0.05, 256, step % 3,
+                                   None if value_bits == 32 else value_bits, owners)
         for out, _ in results:
             assert torch.equal(flat(out[step]), flat(results[0][0][step]))  # every replica the same bits
             torch.testing.assert_close(flat(out[step]), expected, rtol=1e-6, atol=1e-6)
-    kept = 13 * round(0.05 * 256)  # 13 segments of 256 after padding
-    per_step = all_reduce_wire_bytes(2 * (kept + kept % 2), 3) + all_reduce_wire_bytes(4 * kept, 3)
-    assert [bytes_sent for _, bytes_sent in results] == [STEPS * per_step] * 3
+    indices = all_reduce_wire_bytes(2 * (kept + kept % 2), 3)
+    if value_bits == 32:
+        values = all_reduce_wire_bytes(4 * kept, 3)
+    else:  # int4 codes and a bf16 scale per 64, padded to 3 chunks of whole blocks: all-to-all, then all-gather
+        chunk = math.ceil(kept / (3 * 64)) * 64
+        values = all_to_all_wire_bytes(3 * (chunk // 2 + chunk // 64 * 2), 3) + all_gather_wire_bytes(chunk // 2 + chunk // 64 * 2, 3)
+    assert [bytes_sent for _, bytes_sent in results] == [STEPS * (indices + values)] * 3
 
 
 @pytest.mark.parametrize("bits", [8, 4])

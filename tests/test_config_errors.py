@@ -212,6 +212,11 @@ CASES = {
         r"vision\.compression\.diloco\.error_decay=0\.9 decays the error-feedback residual, which "
         r"vision\.compression\.diloco\.pseudo_grad \(method=int4\) does not keep",
     ),
+    "quantized values of a method other than shared top-k": (
+        setter("vision.compression", {"grad": {"method": "topk", "value_bits": 4}}),
+        r"vision\.compression\.grad\.value_bits=4 quantizes shared_topk's values; set "
+        r"vision\.compression\.grad\.method=shared_topk or value_bits=32",
+    ),
     "DiLoCo with context parallelism": (
         both(setter("llm.layout", {"cp": 2, "dp": 2}), setter("llm.compression", {"diloco": {"inner_steps": 8}})),
         r"llm\.compression\.diloco needs cp=1 .* got llm\.layout\.cp=2",

@@ -21,7 +21,8 @@ def build_codec(config: CompressorConfig, seed: int = 0) -> Codec | None:
     if config.method == "topk":
         return TopK(config.ratio, config.segment)
     if config.method == "shared_topk":
-        return SharedTopK(config.ratio, config.segment)
+        values = None if config.value_bits == 32 else BlockQuant(config.value_bits, config.block_size)
+        return SharedTopK(config.ratio, config.segment, values)
     if config.method == "randomk":
         return RandomK(config.ratio, seed)
     if config.method in ("int8", "int4"):

@@ -9,8 +9,9 @@ what was not sent. ``state`` is a dict the caller keeps per bucket and checkpoin
 - ``SharedTopK``: top-k whose indices every replica shares, so values sum in an all-reduce and the bytes
   per replica stay flat as replicas are added (``TopK``'s all-gather grows with them). Each call one
   replica in turn picks, per segment, the ``k`` largest magnitudes of its own vector; the indices (uint16)
-  reach the others in an all-reduce to which only it contributes, every replica's values at them (fp32)
-  in a second one.
+  reach the others in an all-reduce to which only it contributes, every replica's values at them in a
+  second one: fp32, or through ``BlockQuant``'s two-phase sum (``values``), whose bytes are flat in the
+  replicas too.
 - ``RandomK``: the same ``ratio`` of entries on every replica (a generator seeded by the call count), so
   only the values travel, in a plain all-reduce.
 - ``BlockQuant``: int8 or int4 codes with one bf16 scale per block, summed in two phases: each replica
@@ -98,9 +99,10 @@ class TopK:
 class SharedTopK(_FeedbackByDifference):
     biased = True
 
-    def __init__(self, ratio: float, segment: int = 1024):
+    def __init__(self, ratio: float, segment: int = 1024, values: BlockQuant | None = None):
         self.segment = segment
         self.k = max(1, round(ratio * segment))
+        self.values = values
 
     def contraction(self) -> float:
         """Worst-case ||C(x) - x||^2 / ||x||^2 on a replica whose turn it is not: the chosen entries may hold
@@ -121,8 +123,13 @@ class SharedTopK(_FeedbackByDifference):
         comm.all_reduce(wire.view(torch.int32))
         chosen = indices.view(torch.uint16).long()
         values = segments.gather(1, chosen).contiguous()
-        own = torch.zeros_like(segments).scatter_(1, chosen, values).view(-1)
-        comm.all_reduce(values)
+        if self.values is None:
+            own = values.clone()
+            comm.all_reduce(values)
+        else:  # quantized: this replica's decoded values are what it sent
+            summed, own = self.values.exchange(values.view(-1), comm, state.setdefault("values", {}))
+            values, own = summed.view_as(values), own.view_as(values)
+        own = torch.zeros_like(segments).scatter_(1, chosen, own).view(-1)
         total = torch.zeros_like(segments).scatter_(1, chosen, values).view(-1)
         return total[: v.numel()], own[: v.numel()]
 

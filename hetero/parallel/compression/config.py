@@ -27,7 +27,8 @@ class CompressorConfig:
     method: str = "none"  # none (fp32 all-reduce) | topk | shared_topk | randomk | int8 | int4 | powersgd
     ratio: float = 0.01  # topk, shared_topk, randomk: fraction of entries sent
     segment: int = 1024  # topk, shared_topk: entries per selection segment (indices are uint16 within one)
-    block_size: int = 64  # int8, int4: entries sharing one scale
+    block_size: int = 64  # int8, int4 (and shared_topk's quantized values): entries sharing one scale
+    value_bits: int = 32  # shared_topk: its values as fp32 (32), or int8 / int4 codes summed in two phases
     rank: int = 4  # powersgd: rank of the approximation
     error_feedback: str = "auto"  # auto (ef for the biased methods) | ef | ef21 | none
 
@@ -51,6 +52,11 @@ class CompressorConfig:
             found.append(f"{where}.block_size={self.block_size} must be a positive even number")
         if self.rank < 1:
             found.append(f"{where}.rank={self.rank} must be at least 1")
+        if self.value_bits not in (32, 8, 4):
+            found.append(f"{where}.value_bits={self.value_bits} is not one of 32, 8, 4")
+        elif self.value_bits != 32 and self.method != "shared_topk":
+            found.append(f"{where}.value_bits={self.value_bits} quantizes shared_topk's values; set {where}.method="
+                         f"shared_topk or value_bits=32")
         if self.method == "none" and self.error_feedback in ("ef", "ef21"):
             found.append(f"{where}.error_feedback={self.error_feedback} needs a compressing method; set {where}.method")
         if self.method == "powersgd" and self.error_feedback == "ef21":

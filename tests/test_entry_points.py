@@ -61,6 +61,16 @@ def test_compression_benchmark_prints_bytes_and_losses():
     assert 7 < fewer < 8  # 4-bit codes plus one bf16 scale per 64 entries: 32/4.25 = 7.53
 
 
+def test_compression_fan_in_prints_flat_bytes_for_shared_topk():
+    done = subprocess.run(["hetero", "bench", "compression", "--fan-in", "--params", "20000"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line[:22].strip(): [int(b.replace(",", "")) for b in re.findall(r"([\d,]+) \(", line[22:])]
+            for line in done.stdout.splitlines()}
+    shared, topk = rows["shared top-k 1%"], rows["top-k 1%"]
+    assert len(shared) == 4 and shared[-1] < 1.32 * shared[0] and topk[-1] == 21 * topk[0]
+
+
 def test_activation_compression_benchmark_prints_bytes_losses_and_memory():
     done = subprocess.run(
         ["hetero", "bench", "activation-compression", "--tasks", "llm_pp2", "--seeds", "0", "--steps", "8",

@@ -25,7 +25,7 @@ import time
 
 from hetero.bench.compression_fan_in import print_fan_in
 from hetero.bench.compression_tasks import Method, ensure_data, run_text, run_vlm
-from hetero.bench.diloco_ceiling import print_ceiling
+from hetero.bench.diloco_ceiling import OUTER_LRS, print_ceiling
 from hetero.bench.seed_stats import compare, paired_gap
 from hetero.parallel.compression.config import CompressionConfig, CompressorConfig, DiLoCoConfig
 from hetero.testing.multiprocess import run_ranks
@@ -172,12 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", type=int, default=1_000_000, help="with --fan-in: the parameters synced")
     parser.add_argument("--ceiling", action="store_true",
                         help="instead: uncompressed DiLoCo's paired gap for H in 4..32 and three outer learning rates")
+    parser.add_argument("--outer-lrs", nargs="+", type=float, default=list(OUTER_LRS), help="with --ceiling")
     args = parser.parse_args(argv)
     if args.fan_in:
         print_fan_in(args.params)
         return
     if args.ceiling:
-        print_ceiling(args.seeds, args.steps, args.ranks)
+        print_ceiling(args.seeds, args.steps, args.ranks, tuple(args.outer_lrs))
         return
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at INFO
     if args.ef_steps:

@@ -233,10 +233,11 @@ def test_diloco_matches_the_oracle(inner_steps, fragments, pseudo):
         CompressionConfig(grad=CompressorConfig(method="topk", ratio=0.05, segment=256, error_feedback="ef21")),
         CompressionConfig(grad=CompressorConfig(method="int4")),
         CompressionConfig(grad=CompressorConfig(method="powersgd", rank=2)),
-        CompressionConfig(diloco=DiLoCoConfig(inner_steps=2, pseudo_grad=CompressorConfig(method="int4",
-                                                                                          error_feedback="ef"))),
+        # the chooser's turn, the decayed residual and the int4 values' owner residuals all carried over
+        CompressionConfig(diloco=DiLoCoConfig(inner_steps=2, outer_momentum=0.0, error_decay=0.9, pseudo_grad=CompressorConfig(
+            method="shared_topk", ratio=0.1, segment=256, value_bits=4, error_feedback="ef"))),
     ],
-    ids=["topk-ef21", "int4-ef", "powersgd", "diloco-int4-ef"],
+    ids=["topk-ef21", "int4-ef", "powersgd", "diloco-shared-topk-int4-decayed-ef"],
 )
 def test_resume_from_a_checkpoint_continues_identically(compression, tmp_path):
     runs = run_ranks(straight_and_resumed, 2, compression, 6, str(tmp_path), timeout_s=240)

@@ -163,7 +163,7 @@ def fail_second_round(rank: int, world_size: int, method: str) -> list[dict]:
         return after_sync
 
 
-@pytest.mark.parametrize("method", ["none", "int4"])  # all-reduce; all-to-all and all-gather
+@pytest.mark.parametrize("method", ["none", "int4", "shared_topk"])  # all-reduce; all-to-all and all-gather; int32
 def test_a_round_that_fails_is_dropped_and_the_next_one_commits(method):
     results = run_ranks(fail_second_round, 2, method, timeout_s=60)
     for first, failed, third in results:

@@ -57,7 +57,7 @@ def bytes_per_worker(config: CompressorConfig, params: int, workers: int, seed: 
     if codec is None:  # the plain fp32 all-reduce
         return all_reduce_wire_bytes(4 * params, workers)
     comm = ModelledReplicas(workers)
-    codec.exchange(torch.randn(params, generator=torch.Generator().manual_seed(seed)), comm, {})
+    codec.exchange(torch.randn(params, generator=torch.Generator().manual_seed(seed), device="cpu"), comm, {})
     return comm.bytes_sent
 
 

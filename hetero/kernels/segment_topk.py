@@ -32,12 +32,17 @@ def segment_topk_torch(
     grad: torch.Tensor, residual: torch.Tensor, k: int, segment: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     v = residual.add_(grad).view(-1, segment)
-    # Stable descending sort on magnitude: equal magnitudes keep index order, so ties go to the lower index.
-    order = torch.sort(v.abs(), dim=1, descending=True, stable=True).indices[:, :k]
-    indices, _ = order.sort(dim=1)
+    indices = segment_topk_indices(v, k)
     values = v.gather(1, indices)
     v.scatter_(1, indices, 0.0)
     return values, indices.to(torch.uint16)
+
+
+def segment_topk_indices(segments: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's ``k`` largest magnitudes' indices, ascending (int64). A stable descending sort on
+    magnitude: equal magnitudes keep index order, so ties go to the lower index."""
+    order = torch.sort(segments.abs(), dim=1, descending=True, stable=True).indices[:, :k]
+    return order.sort(dim=1).values
 
 
 def scatter_segments(values: torch.Tensor, indices: torch.Tensor, numel: int, segment: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hetero.kernels.quantize import dequantize_blocks, quantize_blocks
-from hetero.kernels.segment_topk import scatter_segments, segment_topk
+from hetero.kernels.segment_topk import scatter_segments, segment_topk, segment_topk_indices
 from hetero.parallel.compression.collective import Collective
 
 
@@ -117,8 +117,7 @@ class SharedTopK(_FeedbackByDifference):
         wire = torch.zeros(count + count % 2, dtype=torch.int16, device=v.device)  # viewed as int32 below
         indices = wire[:count].view(-1, self.k)
         if comm.rank == calls % comm.size:  # this replica's turn to choose
-            order = torch.sort(segments.abs(), dim=1, descending=True, stable=True).indices[:, : self.k]
-            indices.copy_(order.sort(dim=1).values.to(torch.uint16).view(torch.int16))
+            indices.copy_(segment_topk_indices(segments, self.k).to(torch.uint16).view(torch.int16))
         # a sum with one contributor carries its bits: 2 bytes an index, as int32 (no 16-bit sums in gloo)
         comm.all_reduce(wire.view(torch.int32))
         chosen = indices.view(torch.uint16).long()

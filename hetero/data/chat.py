@@ -4,7 +4,9 @@ A conversation is a sequence of ``Turn``s (role ``system``, ``user`` or ``assist
 in a turn's content stands for one image. Image k becomes ``image_tokens[k]`` copies of the image token
 (the vision module decides how many), counted in order across all turns; with a Qwen-VL tokenizer (image
 token ``<|image_pad|>`` beside ``<|vision_start|>`` and ``<|vision_end|>``) between those two, as its
-processor writes an image.
+processor writes an image. A ``<video>`` marker (Qwen-VL tokenizers) stands for a video: its items'
+``<|video_pad|>`` runs between the vision tokens, each item after its stamp and in vision tokens of its own
+when it has one (Qwen3-VL's timestamps), else run after run (``VideoText``).
 
 With a Hugging Face tokenizer that has a ``chat_template`` the ids are exactly those of
 ``tokenizer.apply_chat_template(messages, tokenize=True)`` for the turns with their markers expanded. The
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +38,15 @@ from typing import Any
 
 from hetero.data.digits import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "IMAGE_MARKER", "ROLES", "ChatTokenizer", "EncodedChat", "Turn"]
+__all__ = ["IGNORE_INDEX", "IMAGE_MARKER", "ROLES", "VIDEO_MARKER", "ChatTokenizer", "EncodedChat", "Turn", "VideoText"]
 
 ROLES = ("system", "user", "assistant")
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
 BYTE_IMAGE_TOKEN = 0  # NUL: never in ordinary text
 BYTE_VOCAB_SIZE = 256
-QWEN_IMAGE_TOKEN, QWEN_VISION_SPAN = "<|image_pad|>", ("<|vision_start|>", "<|vision_end|>")
+QWEN_IMAGE_TOKEN, QWEN_VIDEO_TOKEN = "<|image_pad|>", "<|video_pad|>"
+QWEN_VISION_SPAN = ("<|vision_start|>", "<|vision_end|>")
 _KNOWN_IMAGE_TOKENS = ("<image>", QWEN_IMAGE_TOKEN, "<IMG_CONTEXT>")
 Span = tuple[int, int]  # [start, end) in characters of the rendered text
 
@@ -54,13 +59,24 @@ class Turn:
     content: str
 
 
+@dataclass(frozen=True)
+class VideoText:
+    """How a video is written: placeholder tokens per item (a temporal patch, or the whole video), and
+    the text before each item (Qwen3-VL's timestamps; empty: the items run on without one)."""
+
+    items: tuple[int, ...]
+    stamps: tuple[str, ...] = ()
+
+
 @dataclass
 class EncodedChat:
-    """Token ids, which of them carry a loss, and where each image's placeholder run starts."""
+    """Token ids, which of them carry a loss, where each image's placeholder run starts, and where each
+    video's items start."""
 
     tokens: list[int]
     assistant: list[bool]
     image_starts: list[int]
+    video_starts: list[list[int]]
 
 
 class ChatTokenizer:
@@ -72,6 +88,7 @@ class ChatTokenizer:
         self._image_span = ("", "")  # the texts around an image's run (Qwen-VL's vision start and end)
         self.vocab_size = BYTE_VOCAB_SIZE
         self.image_token_id = BYTE_IMAGE_TOKEN
+        self.video_token_id: int | None = None
         self.eos_id: int | None = None
         self.templated = False
         self._files = sorted(Path(tokenizer_dir).glob("*token*")) if tokenizer_dir is not None else []
@@ -90,6 +107,7 @@ class ChatTokenizer:
         vocab = tokenizer.get_vocab()
         if self._image_text == QWEN_IMAGE_TOKEN and all(text in vocab for text in QWEN_VISION_SPAN):
             self._image_span = QWEN_VISION_SPAN
+            self.video_token_id = vocab.get(QWEN_VIDEO_TOKEN)
         self.eos_id = tokenizer.eos_token_id
         self.templated = bool(getattr(tokenizer, "chat_template", None))
 
@@ -130,38 +148,56 @@ class ChatTokenizer:
             return bytes(tokens).decode("utf-8", errors="replace")
         return self._tokenizer.decode(list(tokens), skip_special_tokens=False)
 
-    def encode_chat(self, turns: Sequence[Turn], image_tokens: Sequence[int]) -> EncodedChat:
+    def encode_chat(self, turns: Sequence[Turn], image_tokens: Sequence[int],
+                    videos: Sequence[VideoText] = ()) -> EncodedChat:
         """Token ids of ``turns`` with a loss mask on the assistant's turns (see the module docstring)."""
         if not turns:
             raise ValueError("a conversation needs at least one turn; got none")
         for turn in turns:
             if turn.role not in ROLES:
                 raise ValueError(f"unknown role {turn.role!r}; a turn's role is one of {', '.join(ROLES)}")
-        markers = sum(turn.content.count(IMAGE_MARKER) for turn in turns)
-        if markers != len(image_tokens):
-            raise ValueError(
-                f"the conversation has {markers} {IMAGE_MARKER} markers but image_tokens has "
-                f"{len(image_tokens)} counts"
-            )
-        if any(count < 1 for count in image_tokens):
-            raise ValueError(f"each image needs at least one placeholder token; got {list(image_tokens)}")
-        contents = self._expand_images(turns, image_tokens)
+        for marker, count, given in ((IMAGE_MARKER, len(image_tokens), f"image_tokens has {len(image_tokens)} counts"),
+                                     (VIDEO_MARKER, len(videos), f"{len(videos)} videos are given")):
+            markers = sum(turn.content.count(marker) for turn in turns)
+            if markers != count:
+                raise ValueError(f"the conversation has {markers} {marker} markers but {given}")
+        if any(count < 1 for count in image_tokens) or any(count < 1 for video in videos for count in video.items):
+            raise ValueError(f"each image and video item needs at least one placeholder token; got "
+                             f"{list(image_tokens)} and {[list(v.items) for v in videos]}")
+        if videos and self.video_token_id is None:
+            raise ValueError(f"videos are written with Qwen-VL's {QWEN_VIDEO_TOKEN} between its vision tokens, which "
+                             f"this tokenizer lacks")
+        contents = self._expand_markers(turns, image_tokens, videos)
         render = self._render_templated if self.templated else self._render_plain
         text, spans = render(turns, contents)
         tokens, offsets = self._tokenize(text)
         assistant = [any(start < stop and end > begin for begin, stop in spans) for start, end in offsets]
-        return EncodedChat(tokens, assistant, self._image_starts(tokens, image_tokens))
+        items = [count for video in videos for count in video.items]
+        starts = iter(self._run_starts(tokens, self.video_token_id, items, "video") if videos else [])
+        return EncodedChat(tokens, assistant, self._run_starts(tokens, self.image_token_id, image_tokens, "image"),
+                           [[next(starts) for _ in video.items] for video in videos])
 
-    def _expand_images(self, turns: Sequence[Turn], image_tokens: Sequence[int]) -> list[str]:
-        """Each turn's content with image k's marker replaced by ``image_tokens[k]`` image-token texts."""
-        counts = iter(image_tokens)
+    def _expand_markers(self, turns: Sequence[Turn], image_tokens: Sequence[int], videos: Sequence[VideoText]
+                        ) -> list[str]:
+        """Each turn's content with image k's marker replaced by ``image_tokens[k]`` image-token texts (in
+        the vision span), and video k's by its items (``VideoText``)."""
+        counts, clips = iter(image_tokens), iter(videos)
+        opening, closing = self._image_span
         contents = []
         for turn in turns:
-            pieces = turn.content.split(IMAGE_MARKER)
+            pieces = re.split(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})", turn.content)
             expanded = pieces[0]
-            for piece in pieces[1:]:
-                opening, closing = self._image_span
-                expanded += opening + self._image_text * next(counts) + closing + piece
+            for marker, piece in zip(pieces[1::2], pieces[2::2]):
+                if marker == IMAGE_MARKER:
+                    expanded += opening + self._image_text * next(counts) + closing + piece
+                    continue
+                video = next(clips)
+                if video.stamps:
+                    runs = "".join(stamp + opening + QWEN_VIDEO_TOKEN * count + closing
+                                   for stamp, count in zip(video.stamps, video.items))
+                else:
+                    runs = QWEN_VIDEO_TOKEN * sum(video.items)
+                expanded += opening + runs + closing + piece
             contents.append(expanded)
         return contents
 
@@ -219,16 +255,17 @@ class ChatTokenizer:
         encoding = self._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(encoding["input_ids"]), [tuple(pair) for pair in encoding["offset_mapping"]]
 
-    def _image_starts(self, tokens: list[int], image_tokens: Sequence[int]) -> list[int]:
-        """Where each image's run starts: image k's begins at image id number ``sum(image_tokens[:k])``."""
-        positions = [i for i, token in enumerate(tokens) if token == self.image_token_id]
-        if len(positions) != sum(image_tokens):
+    @staticmethod
+    def _run_starts(tokens: list[int], token_id: int, counts: Sequence[int], what: str) -> list[int]:
+        """Where each run of ``token_id`` starts: run k's at that id's occurrence ``sum(counts[:k])``."""
+        positions = [i for i, token in enumerate(tokens) if token == token_id]
+        if len(positions) != sum(counts):
             raise ValueError(
-                f"the encoded conversation has {len(positions)} image tokens (id {self.image_token_id}) but "
-                f"image_tokens asks for {sum(image_tokens)}: does the text itself contain the image token?"
+                f"the encoded conversation has {len(positions)} {what} tokens (id {token_id}) but its "
+                f"{what}s ask for {sum(counts)}: does the text itself contain the {what} token?"
             )
         starts, seen = [], 0
-        for count in image_tokens:
+        for count in counts:
             starts.append(positions[seen])
             seen += count
         return starts

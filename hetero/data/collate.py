@@ -23,25 +23,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hetero.data.chat import ChatTokenizer
+from hetero.data.chat import IMAGE_MARKER, ChatTokenizer, VideoText
 from hetero.data.digits import IGNORE_INDEX
 from hetero.data.images import BICUBIC, ImageError, ImagePipeline, has_image_processor, qwen_patches
 from hetero.data.mrope_positions import VisionSpan, mrope_positions
 from hetero.data.native_images import patchify
 from hetero.data.sample_index import INDEX_DIR, SampleIndex
-from hetero.data.samples import ImageRef, Sample, SampleError
+from hetero.data.samples import ImageRef, Sample, SampleError, VideoRef
+from hetero.data.videos import VideoLayout, VideoPipeline, decode
 from hetero.errors import ConfigError
 from hetero.graph.graph import Graph, Node
 from hetero.interop.llava import image_token_text
 from hetero.kinds.batch_rows import held_key
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+QWEN25_TOKENS_PER_SECOND = 4  # transformers' Qwen2_5_VLVisionConfig default
 
 
 class SampleSkipped(Exception):
@@ -50,11 +53,14 @@ class SampleSkipped(Exception):
 
 @dataclass
 class Picture:
-    """An image of a sample: its shape after preprocessing, and its pixels (``read``: decoded now, or when
-    first read, by a loader that decodes only the images its rank's modules take)."""
+    """An image or a video item of a sample: its shape after preprocessing (channels, H, W), and its pixels
+    (``read``: decoded now, or when first read, by a loader that decodes only the images its rank's modules
+    take); a video item's temporal patches and temporal position step."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
+    frames: int = 1
+    time_step: float = 1.0
 
 
 @dataclass
@@ -139,6 +145,31 @@ def _qwen_pipeline(vision: Node) -> ImagePipeline:
     return pipeline
 
 
+def video_pipeline(vision: Node) -> VideoPipeline:
+    """A Qwen tower's video processor: its checkpoint's, else its family's defaults at the tower's sizes;
+    Qwen2.5-VL's ``tokens_per_second`` from the checkpoint's vision config."""
+    config, hf = vision.config, vision.settings.init.hf
+    vision_config = {}
+    if hf is not None and (Path(hf) / "config.json").is_file():
+        vision_config = json.loads((Path(hf) / "config.json").read_text()).get("vision_config") or {}
+    try:
+        pipeline = VideoPipeline.from_hf(hf, config.tower, vision_config.get("tokens_per_second", QWEN25_TOKENS_PER_SECOND))
+    except ValueError as err:
+        raise ConfigError(f"{vision.name}: {err}") from None
+    if hf is None or not has_image_processor(hf):
+        block = config.merge * config.patch_size
+        pipeline = dataclasses.replace(pipeline, patch_size=config.patch_size, merge=config.merge,
+                                       temporal_patch=config.temporal_patch, min_pixels=block * block,
+                                       max_pixels=config.max_patches * config.patch_size**2,
+                                       mean=(0.5,) * config.channels, std=(0.5,) * config.channels)
+    made = (pipeline.patch_size, pipeline.merge, pipeline.temporal_patch)
+    if made != (config.patch_size, config.merge, config.temporal_patch):
+        raise ConfigError(f"{vision.name}: the video processor cuts patches of {made[0]} pixels, merges {made[1]}x"
+                          f"{made[1]} and groups {made[2]} frames, but {vision.name}.model has patch_size="
+                          f"{config.patch_size}, merge={config.merge}, temporal_patch={config.temporal_patch}")
+    return pipeline
+
+
 class Shaper:
     """Samples to documents and documents to batches, for one graph."""
 
@@ -152,6 +183,7 @@ class Shaper:
             raise ConfigError(f"{self.llm.name}'s tokenizer has {self.tokenizer.vocab_size} tokens, more than "
                               f"{self.llm.name}.model.vocab_size={vocab}; raise it to {self.tokenizer.vocab_size}")
         self.pipeline = image_pipeline(self.vision) if self.vision is not None else None
+        self.videos = video_pipeline(self.vision) if self.vision is not None and self.vision.config.qwen else None
         self.mrope = bool(self.llm.config.mrope_sections)
         self.pad_id = self.tokenizer.eos_id if self.tokenizer.eos_id is not None else 0
         self.decoded = self.bytes_read = self.tokenized = 0  # images decoded so far, their bytes, samples tokenized
@@ -159,7 +191,7 @@ class Shaper:
     def image_tokens(self, picture: Picture) -> int:
         config = self.vision.config
         if config.qwen:  # one per merge block
-            return (picture.shape[1] // config.patch_size) * (picture.shape[2] // config.patch_size) // config.merge**2
+            return self.placeholders(picture.shape[1], picture.shape[2], picture.frames)
         if config.max_patches:
             return (picture.shape[1] // config.patch_size) * (picture.shape[2] // config.patch_size)
         return config.feature_tokens
@@ -181,6 +213,31 @@ class Shaper:
             pictures.append(Picture((self.vision.config.channels, height, width), read))
         return pictures
 
+    def video_items(self, sample: Sample) -> list[tuple[VideoLayout, list[Picture]]]:
+        """``sample``'s videos: each one's layout (from its header) and items, decoded when first read."""
+        if sample.videos and self.videos is None:
+            raise SampleError(f"{sample.where}: it holds {len(sample.videos)} videos but no module of the graph reads "
+                              f"videos (a Qwen-VL tower)")
+        out = []
+        for ref in sample.videos:
+            layout = self.videos.place(ref, sample.where)
+            pixels = functools.cache(functools.partial(self._decode_video, ref, layout, sample.where))
+            shape = (self.vision.config.channels, *layout.size)
+            if layout.items == 1:
+                out.append((layout, [Picture(shape, pixels, layout.item_patches, layout.time_step)]))
+                continue
+            step = self.videos.temporal_patch
+            out.append((layout, [Picture(shape, lambda k=k, pixels=pixels: pixels()[k * step:(k + 1) * step])
+                                 for k in range(layout.items)]))
+        return out
+
+    def _decode_video(self, ref: VideoRef, layout: VideoLayout, where: str) -> torch.Tensor:
+        pixels = self.videos(decode(ref, list(layout.indices), where))
+        if tuple(pixels.shape[2:]) != layout.size:
+            raise SampleError(f"{where}: video {ref.name}'s frames are not the size its header gives")
+        self.decoded += 1
+        return pixels
+
     def _decode(self, ref: ImageRef, where: str) -> torch.Tensor:
         data = ref.read(where)
         try:
@@ -195,16 +252,20 @@ class Shaper:
         """The sample's tokens, their next-token labels (one fewer) and its pictures at their first
         placeholders, whatever its length (``sizes``: see ``images``); ``SampleError`` if it is bad."""
         sample.check()
-        images = self.images(sample, sizes)
+        images, videos = self.images(sample, sizes), self.video_items(sample)
         self.tokenized += 1
         try:
-            encoded = self.tokenizer.encode_chat(sample.turns, [self.image_tokens(i) for i in images])
+            encoded = self.tokenizer.encode_chat(
+                sample.turns, [self.image_tokens(i) for i in images],
+                [VideoText(tuple(self.image_tokens(p) for p in items), layout.stamps) for layout, items in videos])
         except ValueError as err:
             raise SampleError(f"{sample.where}: {err}") from None
         tokens = torch.tensor(encoded.tokens, dtype=torch.long)
         supervised = torch.tensor(encoded.assistant, dtype=torch.bool)
         labels = torch.where(supervised[1:], tokens[1:], IGNORE_INDEX)
-        return tokens, labels, list(zip(encoded.image_starts, images))
+        placed = list(zip(encoded.image_starts, images))
+        placed += [pair for starts, (_, items) in zip(encoded.video_starts, videos) for pair in zip(starts, items)]
+        return tokens, labels, sorted(placed, key=lambda pair: pair[0])
 
     def _fit(self, where: Callable[[], str], length: int, images: list[tuple[int, int]]) -> int:
         """Positions the sample keeps under ``too_long`` (``images``: first placeholder, count)."""
@@ -222,13 +283,15 @@ class Shaper:
                 cut = start
         return cut
 
-    def placeholders(self, height: int, width: int) -> int:
-        """An image's placeholder tokens, from its size before preprocessing."""
+    def placeholders(self, height: int, width: int, frames: int = 0) -> int:
+        """An image's placeholder tokens, from its size before preprocessing; a video item's (``frames``
+        temporal patches) from its size after."""
         config = self.vision.config
         if not config.max_patches:
             return config.feature_tokens
-        rows, cols = self.pipeline.output_size(height, width)
-        return (rows // config.patch_size) * (cols // config.patch_size) // (config.merge**2 if config.qwen else 1)
+        rows, cols = self.pipeline.output_size(height, width) if not frames else (height, width)
+        tokens = (rows // config.patch_size) * (cols // config.patch_size) // (config.merge**2 if config.qwen else 1)
+        return tokens * max(frames, 1)
 
     def _placed(self, index: SampleIndex, sample: int, where: Callable[[], str]) -> tuple[int, list[tuple[int, int]]]:
         """Sample ``sample``'s length in next-token pairs and its images' (first placeholder, count), whole,
@@ -238,7 +301,8 @@ class Shaper:
         sizes = index.image_sizes[index.images(sample)].tolist()
         if sizes and self.vision is None:
             raise SampleError(f"{where()}: it holds {len(sizes)} images but no module of the graph reads images")
-        counts = [self.placeholders(height, width) for height, width in sizes]
+        frames = index.image_frames[index.images(sample)].tolist()
+        counts = [self.placeholders(height, width, f) for (height, width), f in zip(sizes, frames)]
         text_starts = index.image_text_starts[index.images(sample)].tolist()
         starts = [start + sum(counts[:k]) for k, start in enumerate(text_starts)]
         return int(index.text_tokens[sample]) + sum(counts) - 1, list(zip(starts, counts))
@@ -254,8 +318,11 @@ class Shaper:
         when read. Errors as ``document``."""
         full, placed = self._placed(index, sample_id, lambda: sample.where)
         cut = self._fit(lambda: sample.where, full, placed)
-        sizes = [tuple(size) for size in index.image_sizes[index.images(sample_id)].tolist()]
-        pictures = self.images(sample, sizes)
+        rows = index.images(sample_id)
+        sizes = [tuple(size) for size, f in zip(index.image_sizes[rows].tolist(), index.image_frames[rows].tolist()) if not f]
+        images, videos = iter(self.images(sample, sizes)), iter(self.video_items(sample))
+        pictures = [picture for marker in sample.markers()
+                    for picture in ([next(images)] if marker == IMAGE_MARKER else next(videos)[1])]
         kept = [(start, picture) for (start, count), picture in zip(placed, pictures) if start + count <= cut]
         text = functools.partial(self._text, sample, sizes, cut)
         label_count = int(index.label_tokens[sample_id]) if cut == full else int((text()[1] != IGNORE_INDEX).sum())
@@ -309,7 +376,7 @@ class Shaper:
             config = self.vision.config
             if config.max_patches:
                 grids = [(p.shape[1] // config.patch_size, p.shape[2] // config.patch_size) for p in images]
-                grids = [(1, *grid) for grid in grids] if config.qwen else grids
+                grids = [(p.frames, *grid) for p, grid in zip(images, grids)] if config.qwen else grids
                 places["image_grid"] = torch.tensor(grids, dtype=torch.long).reshape(-1, 3 if config.qwen else 2)
         text = ("tokens", "labels") + (("documents",) if packed else ()) + (("rope_positions",) if self.mrope else ())
         if reads is None:
@@ -344,14 +411,15 @@ class Shaper:
         return batch | self._items([images[i].read() for i in held.tolist()]) | {"image_held": held}
 
     def _rope_positions(self, row: list[Document], packed: bool) -> torch.Tensor:
-        """M-RoPE's positions of a row: each image a span of its merged grid; with ``packed``, restarting
-        in every document and in the padding after them."""
+        """M-RoPE's positions of a row: each image and video item a span of its merged grid; with
+        ``packed``, restarting in every document and in the padding after them."""
         merge = self.vision.config.merge if self.vision is not None else 1
         spans, starts, offset = [], [0], 0
         for doc in row:
             for start, picture in doc.images:
                 height, width = picture.shape[1] // self.vision.config.patch_size, picture.shape[2] // self.vision.config.patch_size
-                spans.append(VisionSpan(offset + start, (1, height // merge, width // merge)))
+                spans.append(VisionSpan(offset + start, (picture.frames, height // merge, width // merge),
+                                        picture.time_step))
             offset += doc.length
             starts.append(offset)
         starts = sorted({s for s in starts[:-1] + ([offset] if offset < self.seq_len else [])}) if packed else [0]

@@ -178,7 +178,8 @@ class ImagePipeline:
                    resample=BICUBIC, rescale=1 / 255, mean=(0.5,) * channels, std=(0.5,) * channels,
                    channels=channels, patch_size=patch_size if native else 0, max_patches=max_patches)
 
-    def decode(self, data: bytes, where: str) -> Image.Image:
+    @staticmethod
+    def decode(data: bytes, where: str) -> Image.Image:
         """Encoded image bytes, fully decoded and turned upright; ImageError naming ``where`` if not."""
         try:
             image = Image.open(io.BytesIO(data))
@@ -251,14 +252,16 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 def qwen_patches(pixels: torch.Tensor, patch: int, merge: int, frames: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """An image (channels, H, W) as a Qwen-VL tower reads it: (h·w, channels · frames · patch²) patches in
-    merge-block order (each ``merge × merge`` block consecutive, blocks row-major), the frame repeated
-    ``frames`` times inside each patch, and its grid (1, h, w) in patches."""
-    channels, height, width = pixels.shape
-    rows, cols = height // patch, width // patch
-    x = pixels.reshape(channels, rows // merge, merge, patch, cols // merge, merge, patch)
-    x = x.permute(1, 4, 2, 5, 0, 3, 6)[:, :, :, :, :, None].expand(-1, -1, -1, -1, -1, frames, -1, -1)
-    return x.reshape(rows * cols, channels * frames * patch * patch), (1, rows, cols)
+    """An image (channels, H, W), or a video's frames (F, channels, H, W) with F a multiple of ``frames``,
+    as a Qwen-VL tower reads it: (t·h·w, channels · frames · patch²) patches, temporal patch after temporal
+    patch, each in merge-block order (each ``merge × merge`` block consecutive, blocks row-major), an image's
+    frame repeated ``frames`` times inside each patch; and its grid (t, h, w) in patches."""
+    video = pixels if pixels.dim() == 4 else pixels[None].expand(frames, -1, -1, -1)
+    depth, channels, height, width = video.shape
+    t, rows, cols = depth // frames, height // patch, width // patch
+    x = video.reshape(t, frames, channels, rows // merge, merge, patch, cols // merge, merge, patch)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * rows * cols, channels * frames * patch * patch), (t, rows, cols)
 
 
 def header_size(source: bytes | str | os.PathLike) -> tuple[int, int] | None:

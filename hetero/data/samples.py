@@ -9,11 +9,12 @@ whether the job stops or skips it (``hetero.data.sample_batches``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from hetero.data.chat import IMAGE_MARKER, Turn
+from hetero.data.chat import IMAGE_MARKER, VIDEO_MARKER, Turn
 
 
 class SampleError(ValueError):
@@ -47,15 +48,33 @@ class ImageRef:
             raise SampleError(f"{where}: image {self.name} cannot be read ({err})") from None
 
 
+@dataclass(frozen=True)
+class VideoRef:
+    """A video of a sample: a file (``path``, any container PyAV reads), or its frames as image files at
+    ``fps`` frames a second (None: unknown, which transformers takes as 24)."""
+
+    name: str
+    path: Path | None = None
+    frames: tuple[ImageRef, ...] = ()
+    fps: float | None = None
+
+
 @dataclass
 class Sample:
-    """One sample: a conversation with an image per ``<image>`` marker (in order), or a plain text."""
+    """One sample: a conversation with an image per ``<image>`` marker and a video per ``<video>`` marker
+    (each in order), or a plain text."""
 
     id: str
     where: str  # e.g. "data/train.jsonl line 7 (id 000123)"
     turns: list[Turn] = field(default_factory=list)
     images: list[ImageRef] = field(default_factory=list)
     text: str | None = None
+    videos: list[VideoRef] = field(default_factory=list)
+
+    def markers(self) -> list[str]:
+        """The ``<image>`` and ``<video>`` markers of the conversation, in text order."""
+        pattern = re.compile(f"{re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)}")
+        return [found for turn in self.turns for found in pattern.findall(turn.content)]
 
     def check(self) -> None:
         """The checks that need no decoding: a conversation, and as many images as markers."""
@@ -65,10 +84,11 @@ class Sample:
             raise SampleError(f"{self.where}: the conversation is empty; give it at least one turn")
         if not any(turn.role == "assistant" for turn in self.turns):
             raise SampleError(f"{self.where}: the conversation has no assistant turn, so nothing to learn")
-        markers = sum(turn.content.count(IMAGE_MARKER) for turn in self.turns)
-        if markers != len(self.images):
-            raise SampleError(f"{self.where}: {markers} {IMAGE_MARKER} markers but {len(self.images)} images; "
-                              f"give one marker per image")
+        for marker, refs, what in ((IMAGE_MARKER, self.images, "image"), (VIDEO_MARKER, self.videos, "video")):
+            markers = sum(turn.content.count(marker) for turn in self.turns)
+            if markers != len(refs):
+                raise SampleError(f"{self.where}: {markers} {marker} markers but {len(refs)} {what}s; "
+                                  f"give one marker per {what}")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ CONFIG, RECORD, CARRIED = "config.json", "source.json", "carried.safetensors"
 SIDE_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
-    "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )
 
 

@@ -6,14 +6,17 @@ Each comes with a byte-level BPE tokenizer (``hetero.interop.tiny_llava.tiny_tok
 Qwen-VL special tokens, a ChatML chat template that writes an image item as
 ``<|vision_start|><|image_pad|><|vision_end|>`` (and a string content as it is), the family's image
 processor (patch 14 and CLIP's mean and std for Qwen2.5-VL, patch 16 and 0.5 for Qwen3-VL, at most
-``MAX_PIXELS``). No processor config: transformers' Qwen-VL processors need torchvision, whose wheels here
-are CUDA builds that do not load beside the CPU torch. Every weight is drawn from the seed (norms off 1,
+``MAX_PIXELS``) and its video processor's config (``VIDEO_PROCESSORS``: small frames, so that a few seconds
+of video fit a row of 256). No processor config: transformers' Qwen-VL processors need torchvision, whose
+wheels here are CUDA builds that do not load beside the CPU torch (so the video processor's file is written
+as JSON, not by its class). Every weight is drawn from the seed (norms off 1,
 biases off 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 FAMILIES = ("qwen2.5-vl", "qwen3-vl")
@@ -36,6 +39,16 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 MAX_PIXELS = 28 * 28 * 64  # at most 64 merged tokens an image at patch 14
+VIDEO_PROCESSORS = {
+    "qwen2.5-vl": {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14,
+                   "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16},  # a frame: at most 16 tokens
+                   "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                   "image_std": [0.26862954, 0.26130258, 0.27577711], "do_sample_frames": False},
+    "qwen3-vl": {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16,
+                 "size": {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 64},  # every frame together
+                 "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_sample_frames": True, "fps": 2,
+                 "min_frames": 4, "max_frames": 16},
+}
 
 
 def write_tiny_vlm(out: str | Path, family: str = "qwen2.5-vl", seed: int = 0) -> Path:
@@ -82,6 +95,8 @@ def write_tiny_vlm(out: str | Path, family: str = "qwen2.5-vl", seed: int = 0) -
     # each part on its own: the processor classes need torchvision for their video processor
     tokenizer.save_pretrained(out)
     images.save_pretrained(out)
+    video = VIDEO_PROCESSORS[family] | {"temporal_patch_size": 2, "merge_size": 2}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     return out
 
 

@@ -2,8 +2,9 @@
 
 A record holds ``id``, ``image`` (one path, a list of paths, or absent for a text-only sample) and
 ``conversations``: turns ``{"from": "system" | "human" | "gpt", "value": ...}`` (``user`` and
-``assistant`` are taken too), each image standing at an ``<image>`` marker. Image paths are relative to
-``train.data.image_root`` (default: the JSON file's directory). ``path`` is a file or a directory of
+``assistant`` are taken too), each image standing at an ``<image>`` marker; and ``video`` (a video file,
+or a list of its frames' image files, at ``fps`` frames a second when the record gives it) standing at a
+``<video>`` marker. Paths are relative to ``train.data.image_root`` (default: the JSON file's directory). ``path`` is a file or a directory of
 ``*.json`` and ``*.jsonl`` files, read in name order.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from hetero.data.chat import IMAGE_MARKER, Turn
 from hetero.data.config import SourceConfig
-from hetero.data.samples import ImageRef, Sample, SampleError, SampleInfo
+from hetero.data.samples import ImageRef, Sample, SampleError, SampleInfo, VideoRef
 from hetero.data.sources.sample_format import SampleFormat
 from hetero.errors import ConfigError
 
@@ -79,14 +80,17 @@ class Conversations:
         return len(self.records)
 
     def files(self) -> list[Path]:
-        """The JSON files and every image file they name that exists."""
-        images = set()
+        """The JSON files and every image and video file they name that exists."""
+        media = set()
         for index in range(len(self.records)):
             try:
-                images.update(ref.path for ref in self.sample(index).images)
+                sample = self.sample(index)
             except SampleError:
                 continue
-        return self.data_files + sorted(p for p in images if p.is_file())
+            media.update(ref.path for ref in sample.images)
+            for video in sample.videos:
+                media.update([video.path] if video.path is not None else [frame.path for frame in video.frames])
+        return self.data_files + sorted(p for p in media if p.is_file())
 
     def sample(self, index: int) -> Sample:
         record, where, file = self.records[index]
@@ -107,7 +111,21 @@ class Conversations:
             if not isinstance(turn.get("value"), str):
                 raise SampleError(f"{where}: turn {k} has no text value")
             turns.append(Turn(ROLES[role], turn["value"]))
-        return Sample(sample_id, where, turns, [ImageRef(p, root / p) for p in paths])
+        return Sample(sample_id, where, turns, [ImageRef(p, root / p) for p in paths],
+                      videos=self._videos(record, root, where))
+
+    @staticmethod
+    def _videos(record: dict[str, Any], root: Path, where: str) -> list[VideoRef]:
+        video, fps = record.get("video"), record.get("fps")
+        if video is None:
+            return []
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
+            raise SampleError(f"{where}: fps is {fps!r}; give the frames' rate as a positive number")
+        if isinstance(video, str):
+            return [VideoRef(video, root / video, fps=fps)]
+        if isinstance(video, list) and video and all(isinstance(p, str) for p in video):
+            return [VideoRef(video[0], frames=tuple(ImageRef(p, root / p) for p in video), fps=fps)]
+        raise SampleError(f"{where}: video is {video!r}; give a video file or a list of its frames' image files")
 
     def describe(self, index: int) -> SampleInfo:
         record = self.records[index][0] or {}

@@ -36,7 +36,7 @@ class Samples:
         """The index of a split's samples (``hetero.data.sample_index``), from its file or built and kept."""
         data = experiment.train.data
         reader = f"{source.format}|{split}|{data.heldout_every}|{data.heldout_path}|{data.caption_prompt}"
-        return sample_index(samples, shaper.tokenizer, reader)
+        return sample_index(samples, shaper.tokenizer, reader, shaper.videos)
 
     def index_splits(self, experiment: ExperimentConfig, graph: Graph, source: SourceConfig) -> None:
         """Index both splits, once, before the ranks read the indexes."""

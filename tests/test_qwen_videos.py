@@ -199,7 +199,7 @@ def test_video_conversations_read_as_transformers_reads_them(family, data, tmp_p
                   batch["image_patches"][offsets[i]:offsets[i + 1]]) for i in mine]
         extra = {}
         if images is not None:  # the image comes first in these rows
-            (start, grid, patches), items = items[0], items[1:]
+            (_, grid, patches), items = items[0], items[1:]
             assert grid == images["image_grid_thw"][0].tolist() and torch.equal(patches, images["pixel_values"])
             extra |= {"pixel_values": images["pixel_values"], "image_grid_thw": images["image_grid_thw"]}
         if video is not None:

@@ -49,6 +49,19 @@ def test_gpt_flops_from_parameter_count_and_counter():
     assert counter.get_total_flops() == TRAINING_MULTIPLIER * matmuls
 
 
+def test_latent_attention_flops_from_parameter_count_and_counter():
+    """Multi-head latent attention: 2 FLOPs per weight per token, plus QK^T over q's width and attention·V
+    over v's (2 · s · heads · (head_dim + v_head_dim) per token per layer); torch's counter agrees."""
+    for q_lora_rank in (0, 24):
+        config = GPTConfig(vocab_size=200, hidden_size=64, num_layers=2, num_heads=4, head_dim=20, rotary_dim=8,
+                           kv_lora_rank=16, q_lora_rank=q_lora_rank, v_head_dim=12, ffn_hidden_size=96, seq_len=48)
+        model = GPT(config)
+        s = config.seq_len
+        attention = config.num_layers * 2 * s * config.num_heads * (config.head_size + config.v_size)
+        assert 3 * s * gpt_forward_flops_per_token(config) == 3 * s * (2 * _linear_weights(model) + attention)
+        assert counted_forward_flops(model, torch.randint(0, 200, (3, s))) == 3 * s * gpt_forward_flops_per_token(config)
+
+
 def test_moe_flops_count_active_experts():
     """A mixture of experts costs what a token goes through: its top_k experts and the shared ones, and
     the router; torch's counter agrees on a dropless forward (every token takes top_k experts)."""

@@ -7,6 +7,7 @@ source's layout; a hetero MoE from scratch exported as Qwen3-MoE or Mixtral by i
 backend's import and export: ``test_megatron_backend``)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ SIZES = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_h
              max_position_embeddings=64, num_experts_per_tok=2)
 GLM = "glm-4-moe: deepseek routing, a shared expert, a dense first layer, partial rotary"
 OLMOE = "olmoe: q and k norms over all heads"
+DEEPSEEK = "deepseek-v3: latent attention, deepseek routing"
 CASES = {
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4, head_dim=16)),
@@ -43,6 +45,21 @@ CASES = {
                routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
                head_dim=16, attention_bias=True, use_qk_norm=True, norm_topk_prob=True,
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # multi-head latent attention (a q latent, rotary pairs interleaved, YaRN with DeepSeek's mscale on the
+    # softmax and on cos/sin) beside DeepSeek-V3's routing
+    DEEPSEEK: ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+               dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, n_group=4, topk_group=2,
+                    routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+                    num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                    rms_norm_eps=1e-5,  # the latent norms keep 1e-6 (as DeepSeek's code builds them)
+                    v_head_dim=12, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                    "original_max_position_embeddings": 16, "mscale": 1.0,
+                                                    "mscale_all_dim": 0.8})),
+    "deepseek-v3: q straight from the hidden state, rotary in halves": (
+        "DeepseekV3Config", "DeepseekV3ForCausalLM",
+        dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, n_group=1, topk_group=1,
+             first_k_dense_replace=0, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+             qk_rope_head_dim=4, v_head_dim=8, rope_interleave=False)),
     # its config's pad_token_id (1): the embedding row its lookups do not train (padding_idx)
     OLMOE: ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=24, num_experts=4)),
 }
@@ -133,7 +150,7 @@ def test_a_routing_hetero_does_not_model_is_refused_by_name(changes, message):
 
 @pytest.mark.parametrize("config_class,message", [
     ("GptOssConfig", "attention sinks and its clamped SwiGLU"),
-    ("DeepseekV3Config", r"multi-head latent attention \(MLA"),
+    ("DeepseekV2Config", r"DeepSeek-V2's routing \(softmax scores, group-limited greedy top-k"),
 ])
 def test_a_family_hetero_does_not_model_is_refused_naming_what_is_missing(config_class, message):
     """transformers' own config of the family (its defaults, as its config.json has them)."""
@@ -203,7 +220,7 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_it(tmp_path):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert files", "fused files"])
 @pytest.mark.parametrize("case", ["qwen3-moe renormalized", "mixtral", "qwen2-moe: a gated shared expert, q/k/v biases",
-                                  "qwen3-moe: a dense first layer, experts every second layer", GLM, OLMOE])
+                                  "qwen3-moe: a dense first layer, experts every second layer", GLM, OLMOE, DEEPSEEK])
 def test_an_imported_moe_exports_bit_for_bit_in_its_sources_layout(tmp_path, case, fused):
     from hetero.interop.hf_export import hf_tensors
     from hetero.models import default_registry
@@ -262,17 +279,21 @@ def test_glm_multi_token_prediction_layers_are_passed_over_and_carried_back(tmp_
                                 qk_norm=True)),
     ("Glm4MoeForCausalLM", dict(gate="sigmoid")),  # no selection bias: a zero one is written
     ("OlmoeForCausalLM", dict(qk_norm=True, qk_norm_across_heads=True)),
-], ids=["qwen3-moe", "qwen3-moe, a dense second layer", "mixtral", "glm-4-moe", "glm-4-moe, plain sigmoid", "olmoe"])
+    ("DeepseekV3ForCausalLM", dict(gate="sigmoid", normalize_gates=True, selection_bias=True, expert_groups=2,
+                                   routed_scale=2.5, shared_experts=1, dense_layers=[0], num_kv_heads=None, head_dim=12,
+                                   rotary_dim=4, kv_lora_rank=8, q_lora_rank=12, v_head_dim=6, rope_interleaved=True)),
+], ids=["qwen3-moe", "qwen3-moe, a dense second layer", "mixtral", "glm-4-moe", "glm-4-moe, plain sigmoid", "olmoe",
+        "deepseek-v3"])
 def test_a_moe_trained_from_scratch_exports_as_the_family_of_its_routing(tmp_path, family, fields):
     """A hetero GPT with experts (random weights, a random selection bias) written as Qwen3-MoE, Mixtral,
-    GLM-4-MoE or OLMoE: transformers loads it and its logits equal hetero's."""
+    GLM-4-MoE, OLMoE or (with latent attention) DeepSeek-V3: transformers loads it and its logits equal hetero's."""
     from hetero.interop.hf_export import finish, hf_tensors, save_tensors
     from hetero.models import default_registry
     from hetero.models.gpt.config import GPTConfig
 
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
-                       seq_len=40, num_experts=4, top_k=2, expert_ffn_size=24, **fields)
+    config = GPTConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, ffn_hidden_size=48, seq_len=40,
+                       num_experts=4, top_k=2, expert_ffn_size=24, **({"num_kv_heads": 2} | fields))
     model = GPT(config).eval()
     with torch.no_grad():
         for parameter in model.parameters():
@@ -301,6 +322,8 @@ def test_a_moe_trained_from_scratch_exports_as_the_family_of_its_routing(tmp_pat
     (dict(shared_experts=1, qk_norm=True), r"model\.shared_experts=1: .* neither family has shared experts"),
     (dict(qk_norm=False, normalize_gates=False), r"exports as Mixtral, which renormalizes .*normalize_gates=False"),
     (dict(qk_norm=False, normalize_gates=True, dense_layers=[0]), r"has no dense layers \(model\.dense_layers=\[0\]\)"),
+    (dict(kv_lora_rank=8, head_dim=12, rotary_dim=4), r"model\.gate='softmax': a GPT with multi-head latent attention "
+     r"exports as DeepSeek-V3, and it routes by sigmoid"),
 ])
 def test_a_moe_no_family_matches_is_refused_by_name(fields, message):
     from hetero.models import default_registry
@@ -309,3 +332,23 @@ def test_a_moe_no_family_matches_is_refused_by_name(fields, message):
     config = GPTConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, seq_len=40, num_experts=4, **fields)
     with pytest.raises(ConfigError, match=message):
         default_registry()["gpt"].hf_export(config, None)
+
+
+def test_latent_attention_fields_and_layouts_it_does_not_run_are_refused_by_name():
+    from hetero.models.gpt.config import GPTConfig
+    from hetero.parallel.layout import Layout
+
+    latent = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, head_dim=12, rotary_dim=4, kv_lora_rank=8,
+                  seq_len=32)
+    cases = [
+        (latent, Layout(2, 1, 1, 1, (0, 1)), r"llm\.layout\.tp=2: multi-head latent attention runs at tp=1 and cp=1"),
+        (latent, Layout(1, 2, 1, 1, (0, 1)), r"llm\.layout\.cp=2: multi-head latent attention runs at tp=1 and cp=1"),
+        (latent | {"backend": "megatron"}, Layout(1, 1, 1, 1, (0,)), r"backend=megatron: multi-head latent attention"),
+        (latent | {"rotary_dim": None}, Layout(1, 1, 1, 1, (0,)), r"set rotary_dim below head_dim=12"),
+        (latent | {"num_kv_heads": 2}, Layout(1, 1, 1, 1, (0,)), r"num_kv_heads=2 does not apply to multi-head latent"),
+        (latent | {"kv_lora_rank": 0, "q_lora_rank": 8}, Layout(1, 1, 1, 1, (0,)),
+         r"q_lora_rank=8 belongs to multi-head latent attention, and llm\.model\.kv_lora_rank=0"),
+    ]
+    for fields, layout, message in cases:
+        errors = GPTConfig(**fields).errors("llm", layout)
+        assert any(re.search(message, error) for error in errors), (message, errors)

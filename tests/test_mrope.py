@@ -10,7 +10,8 @@ from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen2_5_VLTextConfi
 from hetero.data.mrope_positions import VisionSpan, mrope_positions
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.hf import gpt_name
-from hetero.models.gpt.model import GPT, mrope_axes
+from hetero.models.gpt.model import GPT
+from hetero.models.gpt.rope import mrope_axes
 from hetero.parallel.layout import Layout
 
 MERGE = 2

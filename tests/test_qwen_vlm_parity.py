@@ -17,7 +17,8 @@ from hetero.config import OptimizerConfig
 from hetero.data.digits import IGNORE_INDEX
 from hetero.data.mrope_positions import VisionSpan, mrope_positions
 from hetero.models.gpt.config import GPTConfig
-from hetero.models.gpt.model import GPT, mrope_of, rope_tables, token_loss_sum
+from hetero.models.gpt.model import GPT, token_loss_sum
+from hetero.models.gpt.rope import mrope_of, rope_tables
 from hetero.models.vit.config import ViTConfig
 from hetero.models.vit.qwen_tower import QwenVisionTower
 from hetero.parallel.options import ParallelOptions

@@ -20,11 +20,12 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped-query attention: repeat each K/V head to serve its group of q heads (dim 1 is heads)."""
+    """Grouped-query attention: repeat each K/V head to serve its group of q heads (dim 1 is heads). v's
+    heads may be another width than k's (multi-head latent attention)."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    if k.shape != v.shape or heads % kv_heads != 0:
+    if k.shape[:-1] != v.shape[:-1] or heads % kv_heads != 0:
         raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must match, with heads dividing q's {heads}"
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must match but for their width, with heads dividing q's {heads}"
         )
     if kv_heads == heads:
         return k, v

@@ -33,7 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 from PIL import Image
 
-from hetero.models.gpt.model import Block, rope_tables
+from hetero.models.gpt.model import Block
+from hetero.models.gpt.rope import rope_tables
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.plan import block_plan
 from hetero.data.images import ImagePipeline

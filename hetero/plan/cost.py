@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from hetero.data.genome import BASES
+from hetero.errors import ConfigError
 from hetero.kinds.flops import TRAINING_MULTIPLIER, projector_forward_flops_per_image
 from hetero.models.genezip.config import GeneZipConfig
 from hetero.models.genezip.regions import CLASSIFIER_DILATIONS, FEATURES
@@ -142,6 +143,10 @@ def describe(name: str, kind: str, config: GPTConfig | ViTConfig | GeneZipConfig
     """The cost model's view of a module of ``kind`` (gpt at context ``seq_len`` if given; video over clips
     of ``clip_frames``)."""
     if kind == "gpt":
+        if config.kv_lora_rank:
+            raise ConfigError(f"{name}: the planner prices grouped-query attention, not multi-head latent attention "
+                             f"({name}.model.kv_lora_rank={config.kv_lora_rank}) yet; `hetero layout` counts its "
+                             "parameters and bytes per rank")
         seq = seq_len or config.seq_len
         active = active_ffn_size(config)
         return Transformer(

@@ -50,7 +50,8 @@ from hetero.data.genome import BASES
 from hetero.kernels.attention import LocalCausalAttention
 from hetero.models.genezip.config import GeneZipConfig
 from hetero.models.genezip.regions import RegionBudget
-from hetero.models.gpt.model import Block, rope_tables
+from hetero.models.gpt.model import Block
+from hetero.models.gpt.rope import rope_tables
 
 
 

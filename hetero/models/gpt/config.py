@@ -52,6 +52,14 @@ class GPTConfig:
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each head's queries and keys before RoPE (Qwen3)
     qk_norm_across_heads: bool = False  # with qk_norm: one RMSNorm over all heads' queries, one over keys (OLMoE)
+    # Multi-head latent attention (DeepSeek-V2/V3, ``mla.py``): kv_lora_rank > 0 makes each head's keys and
+    # values from one kv_lora_rank-wide latent per token and its rotary channels (the last rotary_dim of
+    # head_dim) from one set shared by the heads; q_lora_rank > 0 routes queries through a latent too
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    v_head_dim: int | None = None  # default head_size
+    rope_interleaved: bool = False  # MLA: rotary channels stored as pairs (DeepSeek's rope_interleave)
+    softmax_scale: float = 1.0  # attention logits times this beyond 1/sqrt(head_size) (DeepSeek's YaRN mscale²)
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     # M-RoPE (Qwen2-VL and later): the head's rotary frequencies split among temporal, height and width
     # positions, mrope_sections[i] frequencies each (summing to head_size / 2), in contiguous sections
@@ -104,6 +112,10 @@ class GPTConfig:
         return self.rotary_dim or self.head_size
 
     @property
+    def v_size(self) -> int:
+        return self.v_head_dim or self.head_size
+
+    @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
@@ -153,7 +165,7 @@ class GPTConfig:
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size):
             errors.append(f"{module}.model.rotary_dim={self.rotary_dim} must be even and in 2..{self.head_size} "
                           "(the head's width)")
-        errors += self._mrope_errors(module) + self._deepstack_errors(module, layout)
+        errors += self._mrope_errors(module) + self._deepstack_errors(module, layout) + self._latent_errors(module, layout)
         if self.tie_embeddings and layout.pp > 1:
             errors.append(
                 f"{module}.model.tie_embeddings=true needs the embedding and the output layer on one "
@@ -194,6 +206,33 @@ class GPTConfig:
             return [f"{field} with mrope_interleaved=true: height takes frequencies 1, 4, 7, ... and width "
                     f"2, 5, 8, ... of the {half}, so at most {(half + 1) // 3} and {half // 3}"]
         return []
+
+    def _latent_errors(self, module: str, layout: Layout) -> list[str]:
+        """What multi-head latent attention needs, and the layouts it does not run under yet."""
+        field = f"{module}.model"
+        if not self.kv_lora_rank:
+            wrong = [name for name in ("q_lora_rank", "v_head_dim", "rope_interleaved") if getattr(self, name)]
+            return [f"{field}.{name}={getattr(self, name)} belongs to multi-head latent attention, and "
+                    f"{field}.kv_lora_rank=0; set kv_lora_rank or drop it" for name in wrong]
+        errors = []
+        if self.kv_lora_rank < 0 or self.q_lora_rank < 0:
+            errors.append(f"{field}.kv_lora_rank={self.kv_lora_rank} and q_lora_rank={self.q_lora_rank} must be >= 0")
+        if self.rotary_dim is None or self.rotary_dim >= self.head_size:
+            errors.append(f"{field}: multi-head latent attention turns the last rotary_dim channels of each head and "
+                          f"expands the others from the latent; set rotary_dim below head_dim={self.head_size}")
+        mismatched = {"num_kv_heads": self.num_kv_heads not in (None, self.num_heads), "qkv_bias": self.qkv_bias,
+                      "qk_norm": self.qk_norm, "mrope_sections": bool(self.mrope_sections)}
+        for name in (name for name, wrong in mismatched.items() if wrong):
+            errors.append(f"{field}.{name}={getattr(self, name)} does not apply to multi-head latent attention "
+                          f"(kv_lora_rank={self.kv_lora_rank}); drop it")
+        not_yet = {"tp": layout.tp, "cp": layout.cp}
+        for axis in (axis for axis, degree in not_yet.items() if degree > 1):
+            errors.append(f"{module}.layout.{axis}={not_yet[axis]}: multi-head latent attention runs at tp=1 and cp=1 "
+                          f"for now (its shared rotary key and latent norms have no TP plan, and context-parallel "
+                          f"attention takes v as wide as q); use dp, ep, pp or fsdp")
+        if self.backend == "megatron":
+            errors.append(f"{module}.model.backend=megatron: multi-head latent attention runs on the native backend")
+        return errors
 
     def _deepstack_errors(self, module: str, layout: Layout) -> list[str]:
         layers, field_ = list(self.deepstack_layers), f"{module}.model.deepstack_layers={list(self.deepstack_layers)}"

@@ -8,16 +8,27 @@ from hetero.models.gpt.config import GPTConfig
 def gpt_forward_flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     """Forward FLOPs per token of the GPT at sequence length ``seq_len`` (default: the config's)."""
     h, s = config.hidden_size, seq_len or config.seq_len
-    head_dim = config.head_size
-    q_width, kv_width = config.num_heads * head_dim, config.kv_heads * head_dim
-    projections = 2 * h * (q_width + 2 * kv_width) + 2 * q_width * h
-    attention = 2 * 2 * s * q_width  # QK^T and attention·V, per query position
+    projections, attention = _attention_flops(config, s)
     mlp = 2 * 3 * h * active_ffn_size(config)  # SwiGLU: gate, up and down projections
     if config.moe:
         mlp += 2 * h * config.num_experts  # the router
     dense = len(set(config.dense_layers)) * (2 * 3 * h * config.ffn_size - mlp)  # those layers' MLP instead
     logits = 2 * h * config.vocab_size
     return config.num_layers * (projections + attention + mlp) + dense + logits
+
+
+def _attention_flops(config: GPTConfig, s: int) -> tuple[int, int]:
+    """A layer's attention per token: its projections, and QK^T with attention·V per query position."""
+    h, heads, head_dim = config.hidden_size, config.num_heads, config.head_size
+    if not config.kv_lora_rank:
+        q_width, kv_width = heads * head_dim, config.kv_heads * head_dim
+        return 2 * h * (q_width + 2 * kv_width) + 2 * q_width * h, 2 * 2 * s * q_width
+    # multi-head latent attention: q (through its latent), the kv latent and shared rotary key, their
+    # expansion per head, the output
+    q = 2 * config.q_lora_rank * (h + heads * head_dim) if config.q_lora_rank else 2 * h * heads * head_dim
+    kv = 2 * h * (config.kv_lora_rank + config.rotary_size)
+    kv += 2 * config.kv_lora_rank * heads * (head_dim - config.rotary_size + config.v_size)
+    return q + kv + 2 * heads * config.v_size * h, 2 * s * heads * (head_dim + config.v_size)
 
 
 def active_ffn_size(config: GPTConfig) -> int:

@@ -25,6 +25,7 @@ HF's Llama layout already rotates by halves, as hetero's RoPE does: q and k are 
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -39,15 +40,16 @@ from hetero.models.gpt.model import GPT
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
-                 "Qwen2MoeForCausalLM": "qwen2_moe", "Glm4MoeForCausalLM": "glm4_moe", "OlmoeForCausalLM": "olmoe"}
+                 "Qwen2MoeForCausalLM": "qwen2_moe", "Glm4MoeForCausalLM": "glm4_moe", "OlmoeForCausalLM": "olmoe",
+                 "DeepseekV3ForCausalLM": "deepseek_v3"}
+ROUTED_BY_SIGMOID = ("glm4_moe", "deepseek_v3")  # DeepSeek-V3's routing
 
 # Families hetero knows and does not import, with what is missing: named in the refusal instead of the
 # generic list of what it imports.
 NOT_MODELLED = {
     "GptOssForCausalLM": "gpt-oss's attention sinks and its clamped SwiGLU (with biases and alpha) are not modelled",
-    "DeepseekV3ForCausalLM": "multi-head latent attention (MLA: low-rank q and kv, a separate rotary part per head) "
-                             "is not modelled; its routing is (selection_bias, expert_groups, routed_scale)",
-    "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) is not modelled",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2's routing (softmax scores, group-limited greedy top-k: topk_method) is not "
+                             "modelled; its latent attention is (as DeepSeek-V3's)",
     "Qwen3NextForCausalLM": "gated delta-net (linear attention) layers are not modelled",
     "Llama4ForCausalLM": "chunked attention, no-rope layers and its interleaved experts are not modelled",
 }
@@ -70,11 +72,12 @@ MODELLED = {
     "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise", "shared_expert_intermediate_size", "qkv_bias",
     "n_routed_experts", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace",
     "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers", "clip_qkv", "pad_token_id",
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim", "v_head_dim", "rope_interleave",
 }
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
               "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "truncate", "mrope_section",
-              "mrope_interleaved", "partial_rotary_factor"}
+              "mrope_interleaved", "partial_rotary_factor", "mscale", "mscale_all_dim"}
 
 
 def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPTConfig:
@@ -129,10 +132,13 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
     sections, interleaved = _mrope(hf)
     if hf.get("clip_qkv") is not None:
         refuse("clip_qkv", hf["clip_qkv"], "hetero does not clamp q, k and v")
-    experts = _experts(hf, family, refuse) if family in ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "olmoe") else {}
+    experts = _experts(hf, family, refuse) if family in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", *ROUTED_BY_SIGMOID) else {}
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     rotary = _rotary_dim(hf, head_dim or hf["hidden_size"] // heads)
+    latent = _latent(hf, scaling, refuse) if family == "deepseek_v3" else {}
+    if latent:
+        head_dim, rotary = latent.pop("head_dim"), latent.pop("rotary_dim")
     return GPTConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -145,7 +151,7 @@ def gpt_config(hf: dict, seq_len: int | None = None, module: str = "llm") -> GPT
         qk_norm=family in ("qwen3", "qwen3_moe", "olmoe") or (family == "glm4_moe" and bool(hf.get("use_qk_norm", False))),
         qk_norm_across_heads=family == "olmoe",
         rotary_dim=rotary, rope_scaling=scaling, mrope_sections=sections,
-        mrope_interleaved=interleaved, deepstack_layers=list(hf.get(DEEPSTACK, [])), **experts,
+        mrope_interleaved=interleaved, deepstack_layers=list(hf.get(DEEPSTACK, [])), **experts, **latent,
     )
 
 
@@ -153,7 +159,7 @@ def _experts(hf: dict, family: str, refuse) -> dict:
     """The GPT config's expert fields of a Qwen3-MoE or Mixtral config."""
     if hf.get("router_jitter_noise", 0.0):
         refuse("router_jitter_noise", hf["router_jitter_noise"], "hetero's router adds no noise")
-    if family == "glm4_moe":  # DeepSeek-V3's routing, its router in fp32
+    if family in ROUTED_BY_SIGMOID:  # DeepSeek-V3's routing, its router in fp32
         return dict(num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
                     expert_ffn_size=hf["moe_intermediate_size"], normalize_gates=bool(hf.get("norm_topk_prob", True)),
                     gate="sigmoid", selection_bias=True, expert_groups=hf.get("n_group") or 1,
@@ -179,6 +185,29 @@ def _experts(hf: dict, family: str, refuse) -> dict:
         refuse("shared_expert_intermediate_size", shared, f"hetero's shared experts are whole experts of "
                f"moe_intermediate_size={width}")
     return routed | dict(shared_experts=shared // width, shared_expert_gate=True)
+
+
+def _latent(hf: dict, scaling: RopeScaling, refuse) -> dict:
+    """DeepSeek-V3's multi-head latent attention as GPT config fields: a head's q and k are its un-turned
+    and turned channels (``head_dim``, the last ``rotary_dim`` turned), the logits scaled by YaRN's
+    ``mscale_all_dim`` factor squared when its rope is scaled (transformers' ``yarn_apply_mscale``)."""
+    heads = hf["num_attention_heads"]
+    if (hf.get("num_key_value_heads") or heads) != heads:
+        refuse("num_key_value_heads", hf["num_key_value_heads"], f"latent attention expands keys and values for "
+               f"each of the {heads} heads")
+    if hf.get("attention_bias", False):
+        refuse("attention_bias", True, "hetero's latent attention has no biases")
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    all_dim = params.get("mscale_all_dim") or 0
+    scale = yarn_mscale(scaling.factor, all_dim) ** 2 if scaling.type != "none" and all_dim else 1.0
+    return dict(head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], rotary_dim=hf["qk_rope_head_dim"],
+                kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank") or 0, v_head_dim=hf["v_head_dim"],
+                rope_interleaved=bool(hf.get("rope_interleave", True)), softmax_scale=scale)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale of a context stretched ``factor`` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _rotary_dim(hf: dict, head_dim: int) -> int | None:
@@ -220,6 +249,9 @@ def _rope(hf: dict, where: str) -> tuple[float, RopeScaling]:
         scaling.beta_fast = float(params.get("beta_fast", 32.0))
         scaling.beta_slow = float(params.get("beta_slow", 1.0))
         scaling.attention_factor = params.get("attention_factor")
+        if scaling.attention_factor is None and params.get("mscale") and params.get("mscale_all_dim"):
+            scaling.attention_factor = yarn_mscale(scaling.factor, params["mscale"]) / yarn_mscale(
+                scaling.factor, params["mscale_all_dim"])
     return theta, scaling
 
 
@@ -234,6 +266,9 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IN_LAYER = {
     "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
     "self_attn.o_proj": "attention.wo", "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm",
+    "self_attn.q_a_proj": "attention.wq_a", "self_attn.q_a_layernorm": "attention.q_a_norm",
+    "self_attn.q_b_proj": "attention.wq_b", "self_attn.kv_a_proj_with_mqa": "attention.wkv_a",
+    "self_attn.kv_a_layernorm": "attention.kv_a_norm", "self_attn.kv_b_proj": "attention.wkv_b",
     "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
     "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
     "mlp.gate": "feed_forward.router", "mlp.experts": "feed_forward.experts",  # experts: ``hf_experts``' stacks
@@ -323,7 +358,9 @@ def hf_config(config: GPTConfig) -> dict:
     norm, Qwen2 with q/k/v biases, Llama otherwise; with experts the family of ``_moe_family``. Its ``max_position_embeddings`` is the context of
     the RoPE settings (``rope_context``), and the length it was trained at is ``hetero_seq_len``, a
     field of hetero's own that ``transformers`` keeps on the config and otherwise leaves alone."""
-    if config.moe:
+    if config.kv_lora_rank:
+        architecture, model_type = _latent_family(config)
+    elif config.moe:
         architecture, model_type = _moe_family(config)
     elif config.qk_norm:
         architecture, model_type = "Qwen3ForCausalLM", "qwen3"
@@ -334,7 +371,7 @@ def hf_config(config: GPTConfig) -> dict:
     if config.qk_norm_across_heads and model_type != "olmoe":
         raise ConfigError("model.qk_norm_across_heads=true: only OLMoE normalizes q and k over all heads, a GPT with "
                           "experts routed by softmax")
-    if model_type != "glm4_moe":
+    if model_type not in ROUTED_BY_SIGMOID:
         if config.qk_norm and config.qkv_bias:
             raise ConfigError("a GPT with both qk_norm and qkv_bias matches no Hugging Face architecture hetero "
                               "exports (GLM-4-MoE: with experts routed by sigmoid)")
@@ -368,6 +405,10 @@ def hf_config(config: GPTConfig) -> dict:
         rope["partial_rotary_factor"] = config.rotary_size / config.head_size
     if model_type != "qwen2":
         out["attention_bias"] = config.qkv_bias if model_type == "glm4_moe" else False
+    if model_type == "deepseek_v3":  # head_dim is transformers' own: the rotary part
+        out |= {"kv_lora_rank": config.kv_lora_rank, "q_lora_rank": config.q_lora_rank or None,
+                "qk_nope_head_dim": config.head_size - config.rotary_size, "qk_rope_head_dim": config.rotary_size,
+                "v_head_dim": config.v_size, "rope_interleave": config.rope_interleaved, "head_dim": config.rotary_size}
     if model_type == "qwen3_moe":
         out |= {"num_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "moe_intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates,
@@ -375,17 +416,34 @@ def hf_config(config: GPTConfig) -> dict:
     elif model_type == "olmoe":
         out |= {"num_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates, "clip_qkv": None}
-    elif model_type == "glm4_moe":
+    elif model_type in ROUTED_BY_SIGMOID:
         out |= {"n_routed_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "moe_intermediate_size": config.expert_size, "norm_topk_prob": config.normalize_gates,
                 "n_shared_experts": config.shared_experts, "routed_scaling_factor": config.routed_scale,
                 "n_group": config.expert_groups, "topk_group": config.groups_per_token,
-                "first_k_dense_replace": len(config.dense_layers), "use_qk_norm": config.qk_norm,
-                "num_nextn_predict_layers": 0}
+                "first_k_dense_replace": len(config.dense_layers), "num_nextn_predict_layers": 0}
+        out |= {"use_qk_norm": config.qk_norm} if model_type == "glm4_moe" else {}
     elif model_type == "mixtral":
         out |= {"num_local_experts": config.num_experts, "num_experts_per_tok": config.top_k,
                 "intermediate_size": config.expert_size, "router_jitter_noise": 0.0, "sliding_window": None}
     return out
+
+
+def _latent_family(config: GPTConfig) -> tuple[str, str]:
+    """A GPT with multi-head latent attention goes out as DeepSeek-V3: experts routed by sigmoid, the first
+    layers dense, the logits' scale its own; anything else is refused by name."""
+    for field, wrong, why in (
+            ("num_experts", not config.moe, "its layers past first_k_dense_replace hold experts"),
+            ("gate", config.gate != "sigmoid", "it routes by sigmoid"),
+            ("shared_expert_gate", config.shared_expert_gate, "its shared experts are not gated"),
+            ("capacity_factor", config.capacity_factor > 0, "it is dropless"),
+            ("dense_layers", config.dense_layers != list(range(len(config.dense_layers))),
+             "its dense layers are the first ones (first_k_dense_replace)"),
+            ("softmax_scale", config.softmax_scale != 1.0, "its logits' scale follows from YaRN's mscale_all_dim")):
+        if wrong:
+            raise ConfigError(f"model.{field}={getattr(config, field)!r}: a GPT with multi-head latent attention "
+                              f"exports as DeepSeek-V3, and {why}")
+    return "DeepseekV3ForCausalLM", "deepseek_v3"
 
 
 def _moe_family(config: GPTConfig) -> tuple[str, str]:

@@ -40,7 +40,8 @@ from hetero.kernels.documents import Documents
 from hetero.models.gpt import megatron_state
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.megatron_names import megatron_shards, native_tensors
-from hetero.models.gpt.model import GPT, mrope_of, place_rows, rope_angles, rope_frequencies
+from hetero.models.gpt.model import GPT, place_rows
+from hetero.models.gpt.rope import mrope_of, rope_angles, rope_frequencies
 from hetero.models.gpt.moe import Routing
 from hetero.parallel.blocks import stage_layers
 from hetero.parallel.layout import Layout

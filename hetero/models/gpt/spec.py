@@ -111,7 +111,7 @@ class GPTKind(Kind):
     def hf_export(self, config, source):
         from hetero.interop.hf_checkpoint import HFExport
         from hetero.interop.parts import open_part
-        from hetero.models.gpt.hf import beyond_layers, hf_config, weight_names
+        from hetero.models.gpt.hf import ROUTED_BY_SIGMOID, beyond_layers, hf_config, weight_names
         from hetero.models.gpt.hf_experts import StackedExperts, assemble_experts, with_zero_selection_bias
 
         if source is None:
@@ -119,9 +119,9 @@ class GPTKind(Kind):
             family = config_json["model_type"]
             block = "block_sparse_moe" if family == "mixtral" else "mlp"  # the hub's spelling
             assemble = assemble_experts(block, set()) if config.moe else HFExport.assemble
-            if family == "glm4_moe" and not config.selection_bias:
+            if family in ROUTED_BY_SIGMOID and not config.selection_bias:
                 assemble = with_zero_selection_bias(assemble, config.num_experts)
-            shared = "shared_experts" if family == "glm4_moe" else "shared_expert"
+            shared = "shared_experts" if family in ROUTED_BY_SIGMOID else "shared_expert"
             return HFExport(config_json, weight_names(config, block, shared), assemble=assemble)
         part = open_part(source, "text")  # a decoder, or a whole LLaVA's LM
         raw = getattr(part, "raw", lambda name: name)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetero.models.gpt.model import apply_rope
+from hetero.models.gpt.rope import apply_rope
 from hetero.models.vit.config import ViTConfig
 from hetero.models.vit.model import PatchEmbedding
 

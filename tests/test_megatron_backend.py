@@ -285,23 +285,30 @@ def test_a_hugging_face_moe_imports_into_megatron_experts_at_ep2_and_exports_bit
 
 
 def imported_loss(rank, world_size, source, batch, layout, parallel):
-    """``llm.init.hf`` into the megatron backend at ``layout``: its loss on ``batch`` and the bytes this rank read."""
+    """``llm.init.hf`` into the megatron backend at ``layout``: its loss on ``batch``, the bytes this rank read,
+    and on the last stage's ranks its logits (whole vocabulary; None elsewhere)."""
+    from test_hf_import import stage_logits
+
     block = module("gpt", {"seq_len": batch["tokens"].shape[1], "backend": "megatron"}, layout, parallel=parallel,
                    init={"hf": str(source)})
     with megatron_on_cpu():
         runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=len(batch["tokens"]),
                                            microbatches=2 if layout.get("pp", 1) > 1 else 1))
-        return runtime.evaluate([batch])["llm.loss"], runtime.modules["llm"].pretrained_bytes
+        llm = runtime.modules["llm"]
+        loss = runtime.evaluate([batch])["llm.loss"]
+        staged = stage_logits(llm, batch["tokens"])
+        logits = llm.model.whole_vocabulary(staged[1]) if staged is not None else None
+        return loss, llm.pretrained_bytes, logits
 
 
 @pytest.mark.parametrize("case,layout,parallel", [
     ("qwen3-moe renormalized", {"ep": 2, "tp": 2, "dp": 2}, {"sequence_parallel": True}),
     ("mixtral", {"ep": 2, "pp": 2, "dp": 2}, None),
 ], ids=["qwen3-moe ep2·tp2+sp", "mixtral ep2·pp2"])
-def test_a_hugging_face_moe_imports_into_megatron_under_tp_and_pp_with_transformers_loss(tmp_path, case, layout,
-                                                                                          parallel):
-    """Every rank's loss equals transformers' on the same rows, and each rank reads less than the whole
-    checkpoint (its TP shards or its stage's layers, and its EP group's experts)."""
+def test_a_hugging_face_moe_imports_into_megatron_under_tp_and_pp_with_transformers_logits(tmp_path, case, layout,
+                                                                                            parallel):
+    """Every rank's loss equals transformers' on the same rows, so do the last stage's ranks' logits, and each
+    rank reads less than the whole checkpoint (its TP shards or its stage's layers, and its EP group's experts)."""
     import test_moe_import as moe_import
 
     reference = moe_import.saved(tmp_path, case)
@@ -313,11 +320,14 @@ def test_a_hugging_face_moe_imports_into_megatron_under_tp_and_pp_with_transform
     results = run_ranks(imported_loss, 4, tmp_path, {"tokens": tokens, "labels": labels}, layout, parallel,
                         timeout_s=300)
     whole = sum(t.numel() * t.element_size() for _, t in HFCheckpoint(tmp_path).tensors(HFCheckpoint(tmp_path).names()))
+    errors = [((got - logits).abs().max() / logits.abs().max()).item() for *_, got in results if got is not None]
     print(f"\n{case} {layout} on megatron: loss rel. errors "
-          + ", ".join(f"{abs(loss - expected) / expected:.1e}" for loss, _ in results)
-          + f"; bytes read per rank {[read for _, read in results]} of {whole}")
-    assert all(abs(loss - expected) / expected < 1e-5 for loss, _ in results), (results, expected)
-    assert all(0 < read < whole for _, read in results)
+          + ", ".join(f"{abs(loss - expected) / expected:.1e}" for loss, *_ in results)
+          + f"; logits rel. errors {', '.join(f'{e:.1e}' for e in errors)}"
+          + f"; bytes read per rank {[read for _, read, _ in results]} of {whole}")
+    assert all(abs(loss - expected) / expected < 1e-5 for loss, *_ in results), (results, expected)
+    assert len(errors) == 4 // layout.get("pp", 1) and max(errors) < 1e-5
+    assert all(0 < read < whole for _, read, _ in results)
 
 
 @pytest.mark.parametrize("config", [replace(MEGATRON, qkv_bias=True, qk_norm=True), replace(moe.CONFIG, backend="megatron")],

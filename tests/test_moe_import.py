@@ -104,7 +104,8 @@ def test_an_imported_moe_gives_transformers_logits(tmp_path, case, fused):
     ("mixtral", {"ep": 2, "tp": 2, "dp": 2}, {"sequence_parallel": True}),
     ("qwen2-moe: a gated shared expert, q/k/v biases", {"ep": 2, "pp": 2, "dp": 2}, None),
     (GLM, {"ep": 2, "tp": 2, "dp": 2}, None),
-], ids=["qwen3-moe ep2", "mixtral ep2·tp2+sp", "qwen2-moe ep2·pp2", "glm-4-moe ep2·tp2"])  # ep2·tp2 without SP: test_moe_training
+    (DEEPSEEK, {"ep": 2, "pp": 2, "dp": 2}, None),
+], ids=["qwen3-moe ep2", "mixtral ep2·tp2+sp", "qwen2-moe ep2·pp2", "glm-4-moe ep2·tp2", "deepseek-v3 ep2·pp2"])  # ep2·tp2 without SP: test_moe_training
 def test_an_imported_moe_under_expert_parallelism_gives_transformers_logits_reading_its_experts(
         tmp_path, case, layout, parallel):
     """Every rank's loss and every last-stage rank's logits equal transformers'; at ep2 each rank reads the

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from compression_oracle import owner_zeros, powersgd_sum, quant_sum, shared_topk_sum, topk_sum
+from hetero.parallel.compression.bit_packing import packed_words
 from hetero.parallel.compression.build import build_grad_sync
 from hetero.parallel.compression.collective import (
     GroupCollective,
@@ -64,8 +65,8 @@ def test_topk_with_error_feedback_matches_the_oracle(world_size):
 
 @pytest.mark.parametrize("value_bits", [32, 4])
 def test_shared_topk_sums_every_replicas_values_at_one_replicas_choice_in_turn(value_bits):
-    """3 replicas: step s's entries are replica s mod 3's top-k; the indices (2 bytes each, padded to an even
-    count) travel in an all-reduce, the values in another (fp32) or in the two-phase quantized sum (int4),
+    """3 replicas: step s's entries are replica s mod 3's top-k; the indices (8 bits each in segments of 256,
+    packed end to end in int32 words) travel in an all-reduce, the values in another (fp32) or in the two-phase quantized sum (int4),
     bytes flat in the replica count."""
     config = CompressorConfig(method="shared_topk", ratio=0.05, segment=256, value_bits=value_bits)
     results = run_ranks(sync_steps, 3, config, timeout_s=120)
@@ -78,7 +79,7 @@ def test_shared_topk_sums_every_replicas_values_at_one_replicas_choice_in_turn(v
         for out, _ in results:
             assert torch.equal(flat(out[step]), flat(results[0][0][step]))  # every replica the same bits
             torch.testing.assert_close(flat(out[step]), expected, rtol=1e-6, atol=1e-6)
-    indices = all_reduce_wire_bytes(2 * (kept + kept % 2), 3)
+    indices = all_reduce_wire_bytes(4 * packed_words(kept, 8), 3)
     if value_bits == 32:
         values = all_reduce_wire_bytes(4 * kept, 3)
     else:  # int4 codes and a bf16 scale per 64, padded to 3 chunks of whole blocks: all-to-all, then all-gather

@@ -116,13 +116,29 @@ def _normal_abs_quantile(q):
 def test_shared_topk_bytes_per_worker_stay_flat_as_workers_are_added_where_topks_grow():
     """From the collective model (``compression_fan_in``): 100,000 parameters at 4, 8, 16 and 64 workers."""
     from hetero.bench.compression_fan_in import WORKERS, bytes_per_worker
+    from hetero.parallel.compression.bit_packing import packed_words
     from hetero.parallel.compression.config import CompressorConfig
 
     params, segments = 100_000, math.ceil(100_000 / 1024)
     kept = segments * round(0.01 * 1024)
     shared = [bytes_per_worker(CompressorConfig(method="shared_topk", ratio=0.01), params, n) for n in WORKERS]
     topk = [bytes_per_worker(CompressorConfig(method="topk", ratio=0.01), params, n) for n in WORKERS]
-    assert shared == [all_reduce_wire_bytes(2 * (kept + kept % 2), n) + all_reduce_wire_bytes(4 * kept, n)
-                      for n in WORKERS]
+    assert shared == [all_reduce_wire_bytes(4 * packed_words(kept, 10), n) + all_reduce_wire_bytes(4 * kept, n)
+                      for n in WORKERS]  # 10-bit indices in segments of 1,024
     assert topk == [all_gather_wire_bytes(6 * kept, n) for n in WORKERS]
     assert shared[-1] / shared[0] < 1.32 and topk[-1] / topk[0] == 21  # 2·63/64 over 2·3/4; 63 over 3
+
+
+@pytest.mark.parametrize("bits", [1, 7, 10, 12, 16, 31, 32])
+def test_bit_packing_round_trips_and_survives_a_sum_with_zeros(bits):
+    """Values of ``bits`` bits end to end in int32 words (straddling words), back unchanged, also after the
+    words are summed with all-zero words (what shared top-k's index all-reduce does)."""
+    from hetero.parallel.compression.bit_packing import pack_bits, packed_words, unpack_bits
+
+    for count in (1, 3, 64, 1001):
+        values = torch.randint(0, 2**bits, (count,), generator=torch.Generator().manual_seed(count), dtype=torch.int64)
+        values[0] = 2**bits - 1  # every bit set
+        words = pack_bits(values, bits)
+        assert words.dtype == torch.int32 and words.numel() == packed_words(count, bits) == -(-count * bits // 32)
+        summed = words + torch.zeros_like(words) + torch.zeros_like(words)
+        assert torch.equal(unpack_bits(summed, bits, count), values)

@@ -8,8 +8,9 @@ what was not sent. ``state`` is a dict the caller keeps per bucket and checkpoin
   in-segment indices (6 bytes per kept element), all-gathered: replicas pick different entries.
 - ``SharedTopK``: top-k whose indices every replica shares, so values sum in an all-reduce and the bytes
   per replica stay flat as replicas are added (``TopK``'s all-gather grows with them). Each call one
-  replica in turn picks, per segment, the ``k`` largest magnitudes of its own vector; the indices (uint16)
-  reach the others in an all-reduce to which only it contributes, every replica's values at them in a
+  replica in turn picks, per segment, the ``k`` largest magnitudes of its own vector; the indices (log2
+  of the segment bits each, packed end to end: 10 bits in a segment of 1,024) reach the others in an
+  all-reduce to which only it contributes, every replica's values at them in a
   second one: fp32, or through ``BlockQuant``'s two-phase sum (``values``), whose bytes are flat in the
   replicas too.
 - ``RandomK``: the same ``ratio`` of entries on every replica (a generator seeded by the call count), so
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from hetero.kernels.quantize import dequantize_blocks, quantize_blocks
 from hetero.kernels.segment_topk import scatter_segments, segment_topk, segment_topk_indices
+from hetero.parallel.compression.bit_packing import pack_bits, packed_words, unpack_bits
 from hetero.parallel.compression.collective import Collective
 
 
@@ -113,14 +115,14 @@ class SharedTopK(_FeedbackByDifference):
         calls = int(state.get("calls", 0))
         state["calls"] = calls + 1
         segments = _pad(v, self.segment).view(-1, self.segment)
-        count = segments.shape[0] * self.k
-        wire = torch.zeros(count + count % 2, dtype=torch.int16, device=v.device)  # viewed as int32 below
-        indices = wire[:count].view(-1, self.k)
+        count, bits = segments.shape[0] * self.k, max(1, (self.segment - 1).bit_length())
         if comm.rank == calls % comm.size:  # this replica's turn to choose
-            indices.copy_(segment_topk_indices(segments, self.k).to(torch.uint16).view(torch.int16))
-        # a sum with one contributor carries its bits: 2 bytes an index, as int32 (no 16-bit sums in gloo)
-        comm.all_reduce(wire.view(torch.int32))
-        chosen = indices.view(torch.uint16).long()
+            wire = pack_bits(segment_topk_indices(segments, self.k).view(-1), bits)
+        else:
+            wire = torch.zeros(packed_words(count, bits), dtype=torch.int32, device=v.device)
+        # a sum with one contributor carries its bits: each index log2(segment) bits, packed in int32 words
+        comm.all_reduce(wire)
+        chosen = unpack_bits(wire, bits, count).view(-1, self.k)
         values = segments.gather(1, chosen).contiguous()
         if self.values is None:
             own = values.clone()

@@ -6,8 +6,8 @@ hetero's forwards (a microbatch of 2 rows on one DP rank) pools its own, as each
 transformers under data parallelism and gradient accumulation, so the reference runs the model on those
 rows, its ``aux_loss`` averaged; OLMoE likewise, its q and k norms over all heads (split over TP), with
 sequence parallelism, on inputs that hold its pad token (whose embedding row only the output's gradient
-reaches there, transformers' padding_idx). Qwen2-MoE trains without an auxiliary loss; DeepSeek-V3 (multi-head
-latent attention, which runs at tp1) at ep2·pp2 without one, as transformers trains it."""
+reaches there, transformers' padding_idx). Qwen2-MoE trains without an auxiliary loss, and so does DeepSeek-V3
+(multi-head latent attention, its heads split over TP, with sequence parallelism), as transformers trains it."""
 
 import json
 
@@ -28,7 +28,6 @@ STEPS, ROWS, SEQ = 3, 8, 24
 DEVICE_BATCH = 2  # rows of one forward of hetero's at tp2·dp2 with 2 microbatches (rows 0-1, 2-3, ...)
 CASES = {"qwen3-moe renormalized": 0.05, "qwen2-moe: a gated shared expert, q/k/v biases": 0.0,
          OLMOE: 0.01, DEEPSEEK: 0.0}  # the aux loss's coefficient (OLMoE's own); its q/k norms span the heads that TP splits
-LAYOUTS = {DEEPSEEK: {"pp": 2, "dp": 2, "ep": 2}}  # the others: tp2·dp2·ep2
 OPTIM = OptimizerConfig(lr=2e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
 
 
@@ -80,22 +79,22 @@ def transformers_run(path, coefficient: float) -> Record:
     return record
 
 
-def hetero_run(rank, world_size, path, coefficient: float, sequence_parallel: bool, layout: dict):
+def hetero_run(rank, world_size, path, coefficient: float, sequence_parallel: bool):
     pooled = {"balance_loss": coefficient, "balance_pooled": True} if coefficient else {}
-    block = module("gpt", {"seq_len": SEQ} | pooled, layout, OPTIM,
+    block = module("gpt", {"seq_len": SEQ} | pooled, {"tp": 2, "dp": 2, "ep": 2}, OPTIM,
                    ParallelOptions(sequence_parallel=sequence_parallel), init={"hf": str(path)})
     runtime = build_runtime(experiment(world_size, {"llm": block}, global_batch=ROWS, microbatches=ROWS // 2 // DEVICE_BATCH))
     return record_run(runtime, batches(), ("loss", "llm.balance_loss") if coefficient else ("loss",))
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_three_steps_of_an_imported_moe_under_ep2_equal_transformers_with_adamw(tmp_path, case):
+def test_three_steps_of_an_imported_moe_at_ep2_tp2_equal_transformers_with_adamw(tmp_path, case):
     saved(tmp_path, case)
     if case == OLMOE:  # its pad token among the inputs
         pad = json.loads((tmp_path / "config.json").read_text())["pad_token_id"]
         assert sum(int((batch["tokens"] == pad).sum()) for batch in batches()) >= 5
-    layout = LAYOUTS.get(case, {"tp": 2, "dp": 2, "ep": 2})
-    ours = run_ranks(hetero_run, 4, tmp_path, CASES[case], case == OLMOE, layout, timeout_s=300)
+    sequence_parallel = case in (OLMOE, DEEPSEEK)
+    ours = run_ranks(hetero_run, 4, tmp_path, CASES[case], sequence_parallel, timeout_s=300)
     theirs = transformers_run(tmp_path, CASES[case])
-    where = "·".join(f"{axis}{degree}" for axis, degree in layout.items())
+    where = "ep2·tp2" + (" with SP" if sequence_parallel else "")
     print("\n" + check_parity(ours, theirs, f"{case}: hetero at {where} against transformers, {STEPS} AdamW steps"))

@@ -225,11 +225,9 @@ class GPTConfig:
         for name in (name for name, wrong in mismatched.items() if wrong):
             errors.append(f"{field}.{name}={getattr(self, name)} does not apply to multi-head latent attention "
                           f"(kv_lora_rank={self.kv_lora_rank}); drop it")
-        not_yet = {"tp": layout.tp, "cp": layout.cp}
-        for axis in (axis for axis, degree in not_yet.items() if degree > 1):
-            errors.append(f"{module}.layout.{axis}={not_yet[axis]}: multi-head latent attention runs at tp=1 and cp=1 "
-                          f"for now (its shared rotary key and latent norms have no TP plan, and context-parallel "
-                          f"attention takes v as wide as q); use dp, ep, pp or fsdp")
+        if layout.cp > 1:
+            errors.append(f"{module}.layout.cp={layout.cp}: multi-head latent attention does not run under context "
+                          f"parallelism yet (its attention takes v as wide as q); use tp, dp, ep, pp or fsdp")
         if self.backend == "megatron":
             errors.append(f"{module}.model.backend=megatron: multi-head latent attention runs on the native backend")
         return errors

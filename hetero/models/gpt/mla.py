@@ -8,18 +8,22 @@ turned. A head's q and k are ``head_dim`` wide, its v ``v_head_dim``. With ``rop
 rotary channels come as pairs (x0, y0, x1, y1, ...), regrouped to halves before RoPE turns them, as
 transformers' DeepSeek-V3 does with ``rope_interleave``. The logits are scaled by ``softmax_scale``
 beyond 1/sqrt(head_dim) (YaRN's mscale squared), applied to q. The two latent norms take eps 1e-6
-whatever the model's ``norm_eps``, as DeepSeek's code (and transformers') builds them.
+whatever the model's ``norm_eps``, as DeepSeek's code (and transformers') builds them. Under TP each rank
+holds some heads, so the rotary key they share gets part of its gradient on each: ``group`` (the plan sets
+it) sums that gradient over the TP ranks.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hetero.kernels.attention import CausalAttention, merge_heads, split_heads
 from hetero.kernels.documents import Documents
 from hetero.models.gpt.config import GPTConfig
 from hetero.models.gpt.rope import apply_rope
+from hetero.parallel.gradient_sum import sum_gradient
 
 LATENT_NORM_EPS = 1e-6
 
@@ -46,6 +50,7 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.latent, heads * (self.head_dim - self.rotary + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, hidden, bias=False)
         self.core = CausalAttention()
+        self.group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -55,6 +60,8 @@ class LatentAttention(nn.Module):
         kv = split_heads(self.wkv_b(self.kv_a_norm(latent)), self.head_dim - self.rotary + self.v_dim)
         k_plain, v = kv.split([self.head_dim - self.rotary, self.v_dim], -1)
         k_turned = k_turned[:, None]  # (batch, 1, seq, rotary): one for every head
+        if self.group is not None:
+            k_turned = sum_gradient(k_turned, self.group)
         if self.interleaved:
             q_turned, k_turned = halves(q_turned), halves(k_turned)
         q = torch.cat([q_plain, apply_rope(q_turned, cos, sin)], -1)

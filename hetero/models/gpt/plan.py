@@ -42,21 +42,23 @@ def keep_stage(model: GPT, stage: int, num_stages: int) -> None:
         model.output = None
 
 
+GQA_COLUMNS = ("wq", "wk", "wv")  # grouped-query attention's projections split by heads
+
+
 def block_plan(sequence_parallel: bool = False, qk_norm: bool = False, experts: bool = False,
-               shared_experts: bool = False, shared_gate: bool = False) -> dict[str, nn.Module]:
+               shared_experts: bool = False, shared_gate: bool = False,
+               columns: tuple[str, ...] = GQA_COLUMNS) -> dict[str, nn.Module]:
     """TP plan of a GPT ``Block``: heads and SwiGLU units split, the output projections reduce (into a
     sequence-sharded residual stream under sequence parallelism). The per-head norms of q and k see
     this rank's heads (dim 1 of (batch, heads, seq, head_dim)): their weights are replicated and their
     gradients partial sums over the TP group, reduced with the other partial gradients. ``experts``: the
     block's MLP is a mixture of experts (with ``shared_experts``, and their ``shared_gate``), fed this rank's part of the sequence
-    (the module docstring)."""
+    (the module docstring). ``columns``: the attention's projections split by heads (multi-head latent
+    attention's: the q and kv expansions; its latents, their norms and the rotary key stay whole, so under SP
+    its input, gathered, enters as a plain tensor)."""
     residual = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, nn.Module] = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=residual),
-    }
+    plan: dict[str, nn.Module] = {f"attention.{name}": ColwiseParallel() for name in columns}
+    plan["attention.wo"] = RowwiseParallel(output_layouts=residual)
     if not experts:
         plan |= {
             "feed_forward.w1": ColwiseParallel(),
@@ -79,7 +81,8 @@ def block_plan(sequence_parallel: bool = False, qk_norm: bool = False, experts: 
         plan |= {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None),
+                use_local_output=columns != GQA_COLUMNS,
             ),
             "ffn_norm": SequenceParallel(),
         }
@@ -105,10 +108,13 @@ def apply_tensor_parallel(model: GPT, mesh: ModuleMesh, sequence_parallel: bool)
     parallelize_module(model, tp_mesh, top)
     config = model.config
     across = config.qk_norm and config.qk_norm_across_heads  # OLMoE's norms over all heads: HeadsRMSNorm
+    columns = (("wq_b" if config.q_lora_rank else "wq"), "wkv_b") if config.kv_lora_rank else GQA_COLUMNS
     for block in model.layers.values():
         experts = isinstance(block.feed_forward, MoEFeedForward)
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel, config.qk_norm and not across, experts,
-                                                      config.shared_experts > 0, config.shared_expert_gate))
+                                                      config.shared_experts > 0, config.shared_expert_gate, columns))
+        if config.kv_lora_rank:  # the rotary key every head shares: its gradient summed over the heads' ranks
+            block.attention.group = mesh.group("tp")
         for norm in (block.attention.q_norm, block.attention.k_norm) if across else ():
             # each rank's heads' channels of the weight, as wq and wk split their outputs; squares summed over TP
             norm.weight = nn.Parameter(distribute_tensor(norm.weight, tp_mesh, [Shard(0)]))

@@ -10,40 +10,21 @@ carries the router's gradient back to a router replicated on every TP rank).
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hetero.models.video.model import VideoGenerator
 from hetero.parallel.blocks import attention_mlp_plan, wrap_blocks
+from hetero.parallel.gradient_sum import sum_gradient, summed
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import ParallelOptions
-
-
-def _summed(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    grad = grad.clone()
-    dist.all_reduce(grad, group=group)
-    return grad
-
-
-class _SumGradient(torch.autograd.Function):
-    """Identity forward; the gradient summed over ``group`` backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _summed(grad, ctx.group), None
 
 
 def _sum_bias_gradient(group: dist.ProcessGroup):
     def pre_hook(module, args):
         x, distances, past, bias = args
         if bias is not None and bias.requires_grad:
-            bias = _SumGradient.apply(bias, group)
+            bias = sum_gradient(bias, group)
         return x, distances, past, bias
 
     return pre_hook
@@ -56,7 +37,7 @@ def parallelize_video(model: VideoGenerator, mesh: ModuleMesh, options: Parallel
             parallelize_module(block, tp_mesh, attention_mlp_plan(""))
             group = tp_mesh.get_group()
             for table in (block.attention.distance_bias, block.attention.offset_bias):
-                table.register_hook(lambda grad, group=group: _summed(grad, group))
+                table.register_hook(lambda grad, group=group: summed(grad, group))
             block.attention.register_forward_pre_hook(_sum_bias_gradient(group))
     wrap_blocks(model, model.layers, mesh, options)
     return model

@@ -106,8 +106,9 @@ def test_an_imported_moe_gives_transformers_logits(tmp_path, case, fused):
     (GLM, {"ep": 2, "tp": 2, "dp": 2}, None),
     (DEEPSEEK, {"ep": 2, "pp": 2, "dp": 2}, None),
     (DEEPSEEK, {"ep": 2, "tp": 2, "dp": 2}, {"sequence_parallel": True}),
+    (DEEPSEEK, {"ep": 2, "cp": 2, "dp": 2}, None),
 ], ids=["qwen3-moe ep2", "mixtral ep2·tp2+sp", "qwen2-moe ep2·pp2", "glm-4-moe ep2·tp2", "deepseek-v3 ep2·pp2",
-        "deepseek-v3 ep2·tp2+sp"])  # ep2·tp2 without SP: test_moe_training
+        "deepseek-v3 ep2·tp2+sp", "deepseek-v3 ep2·cp2"])  # ep2·tp2 without SP: test_moe_training
 def test_an_imported_moe_under_expert_parallelism_gives_transformers_logits_reading_its_experts(
         tmp_path, case, layout, parallel):
     """Every rank's loss and every last-stage rank's logits equal transformers'; at ep2 each rank reads the
@@ -123,7 +124,7 @@ def test_an_imported_moe_under_expert_parallelism_gives_transformers_logits_read
     with torch.no_grad():
         logits = reference(tokens).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100).item()
-    world = layout.get("tp", 1) * layout.get("pp", 1) * layout["dp"]
+    world = layout.get("tp", 1) * layout.get("cp", 1) * layout.get("pp", 1) * layout["dp"]
     results = run_ranks(evaluated, world, tmp_path, layout, {"tokens": tokens, "labels": labels}, parallel)
     checkpoint = HFCheckpoint(tmp_path)
     sizes = {name: t.numel() * t.element_size() for name, t in checkpoint.tensors(checkpoint.names())}
@@ -337,15 +338,13 @@ def test_a_moe_no_family_matches_is_refused_by_name(fields, message):
         default_registry()["gpt"].hf_export(config, None)
 
 
-def test_latent_attention_fields_and_layouts_it_does_not_run_are_refused_by_name():
+def test_latent_attention_fields_it_does_not_take_are_refused_by_name():
     from hetero.models.gpt.config import GPTConfig
     from hetero.parallel.layout import Layout
 
     latent = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, head_dim=12, rotary_dim=4, kv_lora_rank=8,
                   seq_len=32)
     cases = [
-        (latent, Layout(1, 2, 1, 1, (0, 1)), r"llm\.layout\.cp=2: multi-head latent attention does not run under "
-         r"context parallelism yet"),
         (latent | {"backend": "megatron"}, Layout(1, 1, 1, 1, (0,)), r"backend=megatron: multi-head latent attention"),
         (latent | {"rotary_dim": None}, Layout(1, 1, 1, 1, (0,)), r"set rotary_dim below head_dim=12"),
         (latent | {"num_kv_heads": 2}, Layout(1, 1, 1, 1, (0,)), r"num_kv_heads=2 does not apply to multi-head latent"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from hetero.kernels.attention import causal_attention
 from hetero.kernels.documents import Documents
@@ -80,7 +81,8 @@ class ContextParallelAttention(torch.nn.Module):
     """Causal attention over a sequence split zigzag-wise across the CP group (see the module docstring).
 
     ``forward(q, k, v)`` takes this rank's (batch, heads, S/cp, head_dim) parts and returns the output for
-    its local queries, causal over global positions. k/v may have fewer heads than q (GQA). ``documents``
+    its local queries, causal over global positions. k/v may have fewer heads than q (GQA), and v's heads
+    may be narrower than k's (multi-head latent attention). ``documents``
     (packed rows): the whole rows' document ids; a token sees only its own document. ``method``:
     ``ring`` or ``allgather``. With cp == 1 it is ``causal_attention`` and ``group`` is not used.
     """
@@ -100,6 +102,10 @@ class ContextParallelAttention(torch.nn.Module):
                 documents: Documents | None = None) -> torch.Tensor:
         if self.cp == 1:
             return causal_attention(q, k, v, documents)
+        if (width := v.shape[-1]) != k.shape[-1]:  # narrower values (multi-head latent attention): zero-padded,
+            if width > k.shape[-1]:                # so that k and v travel and meet the kernels as one shape
+                raise ValueError(f"v's heads are {width} wide, wider than k's {k.shape[-1]}")
+            return self(q, k, F.pad(v, (0, k.shape[-1] - width)), documents)[..., :width]
         if self.method == "ring":
             return ring_attention(q, k, v, self.group, self.rank, self.cp, self.kernel, documents)
         k, v = gather_from_cp(k, 2, self.group), gather_from_cp(v, 2, self.group)

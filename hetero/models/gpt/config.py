@@ -165,7 +165,7 @@ class GPTConfig:
         if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_size):
             errors.append(f"{module}.model.rotary_dim={self.rotary_dim} must be even and in 2..{self.head_size} "
                           "(the head's width)")
-        errors += self._mrope_errors(module) + self._deepstack_errors(module, layout) + self._latent_errors(module, layout)
+        errors += self._mrope_errors(module) + self._deepstack_errors(module, layout) + self._latent_errors(module)
         if self.tie_embeddings and layout.pp > 1:
             errors.append(
                 f"{module}.model.tie_embeddings=true needs the embedding and the output layer on one "
@@ -207,8 +207,8 @@ class GPTConfig:
                     f"2, 5, 8, ... of the {half}, so at most {(half + 1) // 3} and {half // 3}"]
         return []
 
-    def _latent_errors(self, module: str, layout: Layout) -> list[str]:
-        """What multi-head latent attention needs, and the layouts it does not run under yet."""
+    def _latent_errors(self, module: str) -> list[str]:
+        """What multi-head latent attention needs."""
         field = f"{module}.model"
         if not self.kv_lora_rank:
             wrong = [name for name in ("q_lora_rank", "v_head_dim", "rope_interleaved") if getattr(self, name)]
@@ -225,9 +225,6 @@ class GPTConfig:
         for name in (name for name, wrong in mismatched.items() if wrong):
             errors.append(f"{field}.{name}={getattr(self, name)} does not apply to multi-head latent attention "
                           f"(kv_lora_rank={self.kv_lora_rank}); drop it")
-        if layout.cp > 1:
-            errors.append(f"{module}.layout.cp={layout.cp}: multi-head latent attention does not run under context "
-                          f"parallelism yet (its attention takes v as wide as q); use tp, dp, ep, pp or fsdp")
         if self.backend == "megatron":
             errors.append(f"{module}.model.backend=megatron: multi-head latent attention runs on the native backend")
         return errors

@@ -60,6 +60,8 @@ NOT_ON_THE_CHECK_PATH: dict[str, dict[str, str]] = {
     "wandb": {"hetero.train.run_log": "only hetero.train's run log (train.wandb); the check calls train_step",
               "hetero.bench.throughput": "only the throughput benchmark's --wandb"},
     "torchft": {"hetero.parallel.compression.torchft_replicas": "only compression.diloco.replicas=torchft"},
+    "av": {"hetero.data.videos": "only videos in users' LLaVA records (a video file); no check job reads one, and "
+                                 "its wheel (FFmpeg inside, ~35 MB) would not fit beside the others"},
     "matplotlib": {"hetero.plan.report": "only hetero plan --plot",
                    "hetero.plan.sweep": "only the sweep's plot"},
     "sklearn": {"hetero.data.example": "only the LLaVA-style example writer (hetero.testing.bad_samples, "

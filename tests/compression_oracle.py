@@ -10,8 +10,32 @@ import math
 import torch
 
 
+def fitted_two_bits(x, block, rounds=2):
+    """2 bits per value: its sign and the nearer of two magnitudes per block, fitted by Lloyd's 1-D k-means on
+    the magnitudes (split first at their mean; a magnitude equal to the split goes low), stored in bf16."""
+    out = torch.empty_like(x)
+    for start in range(0, x.numel(), block):
+        piece = x[start : start + block]
+        sizes = [abs(float(value)) for value in piece]
+        split = sum(sizes) / len(sizes)
+        for round_ in range(rounds + 1):
+            low = [size for size in sizes if size <= split]
+            high = [size for size in sizes if size > split]
+            levels = (sum(low) / len(low) if low else 0.0, sum(high) / len(high) if high else 0.0)
+            if round_ < rounds and high:
+                split = (levels[0] + levels[1]) / 2
+        levels = [float(torch.tensor(level, dtype=torch.float32).to(torch.bfloat16)) for level in levels]
+        for k, value in enumerate(piece):
+            magnitude = levels[1] if abs(float(value)) > split else levels[0]
+            out[start + k] = -magnitude if float(value) < 0 else magnitude
+    return out
+
+
 def quantize(x, bits, block):
-    """Round-to-nearest symmetric quantization with one bf16 scale per block; returns the decoded values."""
+    """Round-to-nearest symmetric quantization with one bf16 scale per block (at 2 bits ``fitted_two_bits``);
+    returns the decoded values."""
+    if bits == 2:
+        return fitted_two_bits(x, block)
     limit = 2 ** (bits - 1) - 1
     out = torch.empty_like(x)
     for start in range(0, x.numel(), block):

@@ -63,7 +63,7 @@ def test_topk_with_error_feedback_matches_the_oracle(world_size):
     assert results[0][1] == STEPS * (world_size - 1) * k_total * 6  # fp32 value + uint16 index each
 
 
-@pytest.mark.parametrize("value_bits", [32, 4])
+@pytest.mark.parametrize("value_bits", [32, 4, 2])
 def test_shared_topk_sums_every_replicas_values_at_one_replicas_choice_in_turn(value_bits):
     """3 replicas: step s's entries are replica s mod 3's top-k; the indices (8 bits each in segments of 256,
     packed end to end in int32 words) travel in an all-reduce, the values in another (fp32) or in the two-phase quantized sum (int4),
@@ -82,9 +82,11 @@ def test_shared_topk_sums_every_replicas_values_at_one_replicas_choice_in_turn(v
     indices = all_reduce_wire_bytes(4 * packed_words(kept, 8), 3)
     if value_bits == 32:
         values = all_reduce_wire_bytes(4 * kept, 3)
-    else:  # int4 codes and a bf16 scale per 64, padded to 3 chunks of whole blocks: all-to-all, then all-gather
+    else:  # codes and bf16 scales per 64 (int4: one; 2 bits: two), padded to 3 chunks of whole blocks:
+        # all-to-all, then all-gather
         chunk = math.ceil(kept / (3 * 64)) * 64
-        values = all_to_all_wire_bytes(3 * (chunk // 2 + chunk // 64 * 2), 3) + all_gather_wire_bytes(chunk // 2 + chunk // 64 * 2, 3)
+        payload = chunk * value_bits // 8 + chunk // 64 * 2 * (2 if value_bits == 2 else 1)
+        values = all_to_all_wire_bytes(3 * payload, 3) + all_gather_wire_bytes(payload, 3)
     assert [bytes_sent for _, bytes_sent in results] == [STEPS * (indices + values)] * 3
 
 

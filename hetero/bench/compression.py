@@ -76,6 +76,9 @@ METHODS = [
     Method(f"H={INNER_STEPS} shared 1% int4 + decayed EF",
            compression=diloco("shared_topk", "ef", {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95},
                               ratio=0.01, value_bits=4)),
+    Method(f"H={INNER_STEPS} shared 1% 2-bit + decayed EF",
+           compression=diloco("shared_topk", "ef", {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95},
+                              ratio=0.01, value_bits=2)),
     Method(f"peer: torchft DiLoCo H={INNER_STEPS}", engine="torchft_diloco", inner_steps=INNER_STEPS),
 ]
 

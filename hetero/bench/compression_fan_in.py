@@ -23,6 +23,7 @@ CODECS = {
     "top-k 1%": CompressorConfig(method="topk", ratio=0.01),
     "shared top-k 1%": CompressorConfig(method="shared_topk", ratio=0.01),
     "shared top-k 1% int4": CompressorConfig(method="shared_topk", ratio=0.01, value_bits=4),
+    "shared top-k 1% 2-bit": CompressorConfig(method="shared_topk", ratio=0.01, value_bits=2),
 }
 
 

@@ -11,11 +11,12 @@ what was not sent. ``state`` is a dict the caller keeps per bucket and checkpoin
   replica in turn picks, per segment, the ``k`` largest magnitudes of its own vector; the indices (log2
   of the segment bits each, packed end to end: 10 bits in a segment of 1,024) reach the others in an
   all-reduce to which only it contributes, every replica's values at them in a
-  second one: fp32, or through ``BlockQuant``'s two-phase sum (``values``), whose bytes are flat in the
-  replicas too.
+  second one: fp32, or through ``BlockQuant``'s two-phase sum (``values``: 8, 4 or 2 bits), whose bytes are
+  flat in the replicas too.
 - ``RandomK``: the same ``ratio`` of entries on every replica (a generator seeded by the call count), so
   only the values travel, in a plain all-reduce.
-- ``BlockQuant``: int8 or int4 codes with one bf16 scale per block, summed in two phases: each replica
+- ``BlockQuant``: int8 or int4 codes with one bf16 scale per block (or 2-bit codes over two fitted bf16
+  magnitudes, ``hetero.kernels.quantize``), summed in two phases: each replica
   sends chunk ``j`` of its codes to replica ``j`` (all-to-all), which decodes and sums its chunk, quantizes
   the sum again and all-gathers it. The second quantization keeps its own residual on the chunk's owner
   (``state["owner_residual"]``) and adds it back next time, so the sum carries no lasting bias either.
@@ -29,6 +30,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from hetero.kernels.formats import FITTED_BITS
 from hetero.kernels.quantize import dequantize_blocks, quantize_blocks
 from hetero.kernels.segment_topk import scatter_segments, segment_topk, segment_topk_indices
 from hetero.parallel.compression.bit_packing import pack_bits, packed_words, unpack_bits
@@ -167,7 +169,10 @@ class BlockQuant(_FeedbackByDifference):
         self.block_size = block_size
 
     def contraction(self) -> float:
-        """Worst-case ||C(x) - x||^2 / ||x||^2: each element is off by at most half a step of absmax/qmax."""
+        """Worst-case ||C(x) - x||^2 / ||x||^2: each element is off by at most half a step of absmax/qmax; at 2
+        bits each magnitude is its group's mean, so a block's error is its groups' spread, at most ||x||^2."""
+        if self.bits == FITTED_BITS:
+            return 1.0
         limit = 2 ** (self.bits - 1) - 1
         return min(1.0, self.block_size / (4 * limit**2))
 
@@ -176,6 +181,7 @@ class BlockQuant(_FeedbackByDifference):
         padded = _pad(v, n * self.block_size)
         chunk = padded.numel() // n
         codes, scales = quantize_blocks(padded, self.bits, self.block_size)
+        scales = scales.reshape(-1)
         own = dequantize_blocks(codes, scales, self.bits, self.block_size)
         outgoing = torch.cat([codes.view(n, -1), scales.view(n, -1).view(torch.uint8)], dim=1)
         incoming = comm.all_to_all(outgoing.view(-1)).view(n, -1)
@@ -190,6 +196,7 @@ class BlockQuant(_FeedbackByDifference):
             owner_residual = torch.zeros_like(chunk_sum)
         chunk_sum += owner_residual
         sum_codes, sum_scales = quantize_blocks(chunk_sum, self.bits, self.block_size)
+        sum_scales = sum_scales.reshape(-1)
         sent_sum = dequantize_blocks(sum_codes, sum_scales, self.bits, self.block_size)
         state["owner_residual"] = chunk_sum - sent_sum
         gathered = comm.all_gather(torch.cat([sum_codes, sum_scales.view(torch.uint8)]))

@@ -28,7 +28,7 @@ class CompressorConfig:
     ratio: float = 0.01  # topk, shared_topk, randomk: fraction of entries sent
     segment: int = 1024  # topk, shared_topk: entries per selection segment (indices are uint16 within one)
     block_size: int = 64  # int8, int4 (and shared_topk's quantized values): entries sharing one scale
-    value_bits: int = 32  # shared_topk: its values as fp32 (32), or int8 / int4 codes summed in two phases
+    value_bits: int = 32  # shared_topk: its values as fp32 (32), or int8 / int4 / 2-bit fitted codes summed in two phases
     rank: int = 4  # powersgd: rank of the approximation
     error_feedback: str = "auto"  # auto (ef for the biased methods) | ef | ef21 | none
 
@@ -50,10 +50,12 @@ class CompressorConfig:
             found.append(f"{where}.segment={self.segment} must be in 1..65536 (indices are uint16)")
         if self.block_size <= 0 or self.block_size % 2:
             found.append(f"{where}.block_size={self.block_size} must be a positive even number")
+        elif self.value_bits == 2 and self.block_size % 4:
+            found.append(f"{where}.block_size={self.block_size}: 2-bit values pack four a byte; use a multiple of 4")
         if self.rank < 1:
             found.append(f"{where}.rank={self.rank} must be at least 1")
-        if self.value_bits not in (32, 8, 4):
-            found.append(f"{where}.value_bits={self.value_bits} is not one of 32, 8, 4")
+        if self.value_bits not in (32, 8, 4, 2):
+            found.append(f"{where}.value_bits={self.value_bits} is not one of 32, 8, 4, 2")
         elif self.value_bits != 32 and self.method != "shared_topk":
             found.append(f"{where}.value_bits={self.value_bits} quantizes shared_topk's values; set {where}.method="
                          f"shared_topk or value_bits=32")

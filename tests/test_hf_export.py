@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 from hetero.interop.hf_checkpoint import HFCheckpoint
 from hetero.interop.hf_export import export_hf
 from hetero.models.gpt.config import GPTConfig
-from hetero.models.gpt.hf import gpt_config, rope_context
+from hetero.models.gpt.hf import gpt_config
+from hetero.models.gpt.hf_export_config import rope_context
 from hetero.testing.kinds import build_runtime
 from hetero.testing.experiments import experiment, module
 from hetero.testing.multiprocess import run_ranks

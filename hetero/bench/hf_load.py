@@ -23,7 +23,8 @@ import torch
 
 from hetero.models import default_registry
 from hetero.models.gpt.config import GPTConfig
-from hetero.models.gpt.hf import gpt_weights, hf_config, weight_names
+from hetero.models.gpt.hf import gpt_weights, weight_names
+from hetero.models.gpt.hf_export_config import hf_config
 from hetero.models.gpt.model import GPT
 from hetero.testing.multiprocess import run_ranks
 

@@ -111,7 +111,8 @@ class GPTKind(Kind):
     def hf_export(self, config, source):
         from hetero.interop.hf_checkpoint import HFExport
         from hetero.interop.parts import open_part
-        from hetero.models.gpt.hf import ROUTED_BY_SIGMOID, beyond_layers, hf_config, weight_names
+        from hetero.models.gpt.hf import ROUTED_BY_SIGMOID, beyond_layers, weight_names
+        from hetero.models.gpt.hf_export_config import hf_config
         from hetero.models.gpt.hf_experts import StackedExperts, assemble_experts, with_zero_selection_bias
 
         if source is None:

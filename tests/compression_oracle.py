@@ -65,12 +65,18 @@ def topk_sparsify(v, ratio, segment):
     return kept.view(-1)[: v.numel()]
 
 
-def topk_sum(vectors, residuals, ratio, segment):
-    """Error feedback with segmented top-k: each replica sends top-k of (g + e) and keeps the rest."""
+def topk_sum(vectors, residuals, ratio, segment, bits=None, block=64):
+    """Error feedback with segmented top-k: each replica sends top-k of (g + e) and keeps the rest. With
+    ``bits``, the kept values (segment after segment, each segment's in index order) are quantized in
+    blocks of ``block`` and what the codes leave out stays in the residual too."""
     total = torch.zeros_like(vectors[0])
     for i, g in enumerate(vectors):
         v = g + residuals[i]
         sent = topk_sparsify(v, ratio, segment)
+        if bits is not None:
+            kept = sent != 0
+            values = sent[kept]
+            sent = sent.masked_scatter(kept, quantize(pad(values, block), bits, block)[: values.numel()])
         residuals[i] = v - sent
         total += sent
     return total

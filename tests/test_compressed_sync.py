@@ -50,17 +50,21 @@ def flat(grads):
     return torch.cat([grads[n].reshape(-1) for n in SHAPES])
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_topk_with_error_feedback_matches_the_oracle(world_size):
-    config = CompressorConfig(method="topk", ratio=0.05, segment=256)
+@pytest.mark.parametrize("world_size,value_bits", [(2, 32), (4, 32), (3, 2)])
+def test_topk_with_error_feedback_matches_the_oracle(world_size, value_bits):
+    """Each replica's own top-k, all-gathered: 8-bit indices in segments of 256, packed in int32 words, and
+    fp32 values or 2-bit codes with two bf16 magnitudes per 64 kept values (SparseLoCo's payload)."""
+    config = CompressorConfig(method="topk", ratio=0.05, segment=256, value_bits=value_bits)
     results = run_ranks(sync_steps, world_size, config, timeout_s=120)
     residuals = [torch.zeros(3120) for _ in range(world_size)]
     for step in range(STEPS):
-        expected = topk_sum([flat(replica_grads(r, step)) for r in range(world_size)], residuals, 0.05, 256)
+        expected = topk_sum([flat(replica_grads(r, step)) for r in range(world_size)], residuals, 0.05, 256,
+                            None if value_bits == 32 else value_bits)
         for out, _ in results:
             torch.testing.assert_close(flat(out[step]), expected, rtol=1e-6, atol=1e-6)
     k_total = 13 * round(0.05 * 256)  # 13 segments of 256 after padding
-    assert results[0][1] == STEPS * (world_size - 1) * k_total * 6  # fp32 value + uint16 index each
+    values = 4 * k_total if value_bits == 32 else math.ceil(k_total / 64) * (64 // 4 + 2 * 2)
+    assert results[0][1] == STEPS * all_gather_wire_bytes(values + 4 * packed_words(k_total, 8), world_size)
 
 
 @pytest.mark.parametrize("value_bits", [32, 4, 2])

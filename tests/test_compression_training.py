@@ -137,10 +137,13 @@ def test_compressed_sync_training_matches_the_oracle(method):
             torch.testing.assert_close(got_params[name], p.detach(), rtol=1e-5, atol=1e-5)
 
 
-def oracle_diloco(steps, inner_steps, fragments, pseudo_method="none", decay=1.0, outer_lr=0.7, momentum_factor=0.9):
+def oracle_diloco(steps, inner_steps, fragments, pseudo_method="none", decay=1.0, outer_lr=0.7, momentum_factor=0.9,
+                  overlap=0, merge="keep", alpha=0.0):
     """Two replicas train alone; every inner_steps/fragments steps one fragment's deltas are averaged and
     applied to the anchor by Nesterov SGD (``outer_lr``, ``momentum_factor``), then copied back to both
-    replicas. ``shared_topk``: replica r mod 2 chooses the entries of round r, the residuals decay by ``decay``."""
+    replicas. ``shared_topk``: replica r mod 2 chooses the entries of round r, the residuals decay by ``decay``.
+    ``overlap`` > 0: the deltas are taken that many steps before the round's end, and at its end each
+    replica gets the anchor plus its progress since then (``keep``) or lerp(anchor, replica, ``alpha``)."""
     torch.manual_seed(SEED)
     models = [GPT(CONFIG)]
     models.append(copy.deepcopy(models[0]))
@@ -159,12 +162,15 @@ def oracle_diloco(steps, inner_steps, fragments, pseudo_method="none", decay=1.0
             opt.step()
             step_losses.append(loss)
         losses.append(sum(step_losses) / 2)
-        if (step + 1) % period:
-            continue
-        fragment = ((step + 1) // period - 1) % fragments
+        position = (step + 1) % period
+        fragment = ((step + 1 + overlap) // period - 1) % fragments
         part = parts[fragment]
         params = [dict(m.named_parameters()) for m in models]
-        deltas = [torch.cat([(anchor[n] - p[n].detach()).reshape(-1) for n in part]) for p in params]
+        if position == (period - overlap) % period:
+            sent = [{n: p[n].detach().clone() for n in part} for p in params]
+            deltas = [torch.cat([(anchor[n] - p[n].detach()).reshape(-1) for n in part]) for p in params]
+        if position:
+            continue
         if pseudo_method == "int4":
             numel = deltas[0].numel()
             residuals.setdefault(fragment, [torch.zeros(numel) for _ in range(2)])
@@ -184,8 +190,13 @@ def oracle_diloco(steps, inner_steps, fragments, pseudo_method="none", decay=1.0
             momentum[n] = momentum_factor * momentum[n] + g
             anchor[n] = anchor[n] - outer_lr * (g + momentum_factor * momentum[n])
             with torch.no_grad():
-                for p in params:
-                    p[n].copy_(anchor[n])
+                for p, since in zip(params, sent):
+                    if not overlap:
+                        p[n].copy_(anchor[n])
+                    elif merge == "keep":
+                        p[n].copy_((p[n] - since[n]) + anchor[n])
+                    else:
+                        p[n].copy_(torch.lerp(anchor[n], p[n], alpha))
     return losses, dict(models[0].named_parameters()), dict(models[1].named_parameters())
 
 
@@ -228,6 +239,26 @@ def test_diloco_matches_the_oracle(inner_steps, fragments, pseudo):
 
 
 @pytest.mark.parametrize(
+    "merge,alpha,pseudo", [("keep", 0.0, "int4"), ("mix", 0.5, "none")], ids=["keep-int4-ef", "mix"])
+def test_overlapped_diloco_matches_the_oracle(merge, alpha, pseudo):
+    """Each round's exchange runs in the background for 2 of its 4 steps; at its end the replicas merge."""
+    pseudo_grad = CompressorConfig(method=pseudo, error_feedback="ef" if pseudo != "none" else "auto")
+    compression = CompressionConfig(diloco=DiLoCoConfig(inner_steps=4, overlap_steps=2, overlap_merge=merge,
+                                                        overlap_alpha=alpha, pseudo_grad=pseudo_grad))
+    steps = 8
+    results = run_ranks(train, 2, compression, steps, timeout_s=180)
+    losses, params0, params1 = oracle_diloco(steps, 4, 1, pseudo, overlap=2, merge=merge, alpha=alpha)
+    for rank, (got_losses, got_params, _) in enumerate(results):
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        for name, p in (params0 if rank == 0 else params1).items():
+            torch.testing.assert_close(got_params[name], p.detach(), rtol=1e-5, atol=1e-5)
+    # the merge kept each replica's own progress: the replicas differ after the last round landed
+    assert any(not torch.equal(results[0][1][n], results[1][1][n]) for n in params0)
+    _, blocking, _ = oracle_diloco(steps, 4, 1, pseudo)
+    assert any(not torch.allclose(params0[n], blocking[n], rtol=1e-5, atol=1e-5) for n in params0)
+
+
+@pytest.mark.parametrize(
     "compression",
     [
         CompressionConfig(grad=CompressorConfig(method="topk", ratio=0.05, segment=256, error_feedback="ef21")),
@@ -236,8 +267,11 @@ def test_diloco_matches_the_oracle(inner_steps, fragments, pseudo):
         # the chooser's turn, the decayed residual and the int4 values' owner residuals all carried over
         CompressionConfig(diloco=DiLoCoConfig(inner_steps=2, outer_momentum=0.0, error_decay=0.9, pseudo_grad=CompressorConfig(
             method="shared_topk", ratio=0.1, segment=256, value_bits=4, error_feedback="ef"))),
+        # the checkpoint (after step 3) falls while a round sent at step 2 is in flight; it lands at step 4
+        CompressionConfig(diloco=DiLoCoConfig(inner_steps=4, overlap_steps=2, pseudo_grad=CompressorConfig(
+            method="int4", error_feedback="ef"))),
     ],
-    ids=["topk-ef21", "int4-ef", "powersgd", "diloco-shared-topk-int4-decayed-ef"],
+    ids=["topk-ef21", "int4-ef", "powersgd", "diloco-shared-topk-int4-decayed-ef", "diloco-overlapped-int4-ef"],
 )
 def test_resume_from_a_checkpoint_continues_identically(compression, tmp_path):
     runs = run_ranks(straight_and_resumed, 2, compression, 6, str(tmp_path), timeout_s=240)

@@ -125,7 +125,7 @@ def test_shared_topk_bytes_per_worker_stay_flat_as_workers_are_added_where_topks
     topk = [bytes_per_worker(CompressorConfig(method="topk", ratio=0.01), params, n) for n in WORKERS]
     assert shared == [all_reduce_wire_bytes(4 * packed_words(kept, 10), n) + all_reduce_wire_bytes(4 * kept, n)
                       for n in WORKERS]  # 10-bit indices in segments of 1,024
-    assert topk == [all_gather_wire_bytes(6 * kept, n) for n in WORKERS]
+    assert topk == [all_gather_wire_bytes(4 * kept + 4 * packed_words(kept, 10), n) for n in WORKERS]
     assert shared[-1] / shared[0] < 1.32 and topk[-1] / topk[0] == 21  # 2·63/64 over 2·3/4; 63 over 3
 
 

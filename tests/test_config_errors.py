@@ -206,16 +206,28 @@ CASES = {
         setter("vision.compression", {"diloco": {"inner_steps": 10, "fragments": 3}}),
         r"vision\.compression\.diloco\.fragments=3 must be at least 1 and divide inner_steps=10",
     ),
+    "a DiLoCo overlap as long as the round": (
+        setter("vision.compression", {"diloco": {"inner_steps": 8, "fragments": 2, "overlap_steps": 4}}),
+        r"vision\.compression\.diloco\.overlap_steps=4 must be in 0\.\.3 \(a round lands before the next starts",
+    ),
+    "a mixing weight without the mix merge": (
+        setter("vision.compression", {"diloco": {"inner_steps": 8, "overlap_steps": 2, "overlap_alpha": 0.5}}),
+        r"vision\.compression\.diloco\.overlap_alpha=0\.5 weighs the local weights of overlap_merge=mix",
+    ),
+    "a simulated link with latency and no bandwidth": (
+        setter("vision.parallel", {"simulated_link": {"latency_ms": 5}}),
+        r"vision\.parallel\.simulated_link\.latency_ms=5\.0 needs a bandwidth: set vision\.parallel\.simulated_link\.gbit_s > 0",
+    ),
     "a decayed error feedback on pseudo-gradients that keep none": (
         setter("vision.compression", {"diloco": {"inner_steps": 8, "error_decay": 0.9,
                                                  "pseudo_grad": {"method": "int4"}}}),
         r"vision\.compression\.diloco\.error_decay=0\.9 decays the error-feedback residual, which "
         r"vision\.compression\.diloco\.pseudo_grad \(method=int4\) does not keep",
     ),
-    "quantized values of a method other than shared top-k": (
-        setter("vision.compression", {"grad": {"method": "topk", "value_bits": 4}}),
-        r"vision\.compression\.grad\.value_bits=4 quantizes shared_topk's values; set "
-        r"vision\.compression\.grad\.method=shared_topk or value_bits=32",
+    "quantized values of a method other than top-k": (
+        setter("vision.compression", {"grad": {"method": "randomk", "value_bits": 4}}),
+        r"vision\.compression\.grad\.value_bits=4 quantizes the values of topk and shared_topk; set "
+        r"vision\.compression\.grad\.method=topk or shared_topk, or value_bits=32",
     ),
     "DiLoCo with context parallelism": (
         both(setter("llm.layout", {"cp": 2, "dp": 2}), setter("llm.compression", {"diloco": {"inner_steps": 8}})),

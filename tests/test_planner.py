@@ -77,6 +77,8 @@ def test_pipeline_bubble_and_dp_traffic():
     assert compressed.dp_s < dense.dp_s / 3
     diloco = CompressionConfig(diloco=DiLoCoConfig(inner_steps=32))
     assert gradient_wire_ratio(diloco) == pytest.approx(1 / 32)
+    sparse = CompressorConfig(method="topk", ratio=64 / 4096, segment=4096, value_bits=2)  # 2-bit codes, 2 bf16
+    assert gradient_wire_ratio(CompressionConfig(grad=sparse)) == pytest.approx(64 / 4096 * (2 + 0.5 + 12) / 32)
 
 
 def test_nothing_fits_one_small_device():

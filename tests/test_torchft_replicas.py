@@ -47,16 +47,17 @@ def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
-def diloco_config(method: str, error_feedback: str = "auto") -> CompressionConfig:
+def diloco_config(method: str, error_feedback: str = "auto", **overlap) -> CompressionConfig:
+    """``overlap``: DiLoCoConfig's overlap_* fields."""
     pseudo = CompressorConfig(method=method, error_feedback=error_feedback)
-    return CompressionConfig(diloco=DiLoCoConfig(inner_steps=H, pseudo_grad=pseudo))
+    return CompressionConfig(diloco=DiLoCoConfig(inner_steps=H, pseudo_grad=pseudo, **overlap))
 
 
-def train_ours(rank: int, comm: Collective, method: str, steps: int) -> dict:
+def train_ours(rank: int, comm: Collective, method: str, steps: int, **overlap) -> dict:
     """hetero's DiLoCo on this replica: the loop run_torchft_diloco runs, with build_diloco's outer step."""
     model = build_model()
     inner = adamw(model.parameters())
-    diloco = build_diloco(diloco_config(method), model.named_parameters(), comm)
+    diloco = build_diloco(diloco_config(method, **overlap), model.named_parameters(), comm)
     loss_fn, losses = loss_on(rank), []
     for step in range(steps):
         for group in inner.param_groups:
@@ -67,6 +68,7 @@ def train_ours(rank: int, comm: Collective, method: str, steps: int) -> dict:
         inner.step()
         diloco.after_inner_step()
         losses.append(loss.item())
+    diloco.close()
     state = {n: t.detach().clone() for n, t in model.state_dict().items()}
     return {"state": state, "bytes": comm.bytes_sent, "rounds": diloco.rounds, "losses": losses}
 
@@ -93,7 +95,8 @@ def test_torchft_replicas_match_a_gloo_group(method):
     torch.testing.assert_close(results[0][0]["state"], results[1][0]["state"], rtol=0, atol=0)
 
 
-def against_torchft_diloco(rank: int, world_size: int, steps: int) -> tuple[TorchftDiLoCoRun, dict]:
+def against_torchft_diloco(rank: int, world_size: int, steps: int, delay: int, alpha: float
+                           ) -> tuple[TorchftDiLoCoRun, dict]:
     model = build_model()
     inner = adamw(model.parameters())
 
@@ -101,15 +104,19 @@ def against_torchft_diloco(rank: int, world_size: int, steps: int) -> tuple[Torc
         for group in inner.param_groups:
             group["lr"] = lr_at(step)
 
-    run = run_torchft_diloco(model, inner, loss_on(rank), set_lr, steps=steps, sync_every=H, timeout=TIMEOUT)
-    return run, train_ours(rank, GroupCollective(dist.group.WORLD), "none", steps)
+    run = run_torchft_diloco(model, inner, loss_on(rank), set_lr, steps=steps, sync_every=H, timeout=TIMEOUT,
+                             sync_delay=delay, update_alpha=alpha)
+    overlap = {"overlap_steps": delay, "overlap_merge": "mix", "overlap_alpha": alpha} if delay else {}
+    return run, train_ours(rank, GroupCollective(dist.group.WORLD), "none", steps, **overlap)
 
 
-def test_torchft_diloco_equals_ours_without_compression():
+@pytest.mark.parametrize("delay,alpha", [(0, 0.0), (1, 0.5)], ids=["blocking", "overlapped"])
+def test_torchft_diloco_equals_ours_without_compression(delay, alpha):
     # torchft averages the pseudo-gradients (anchor - theta, as ours) with ReduceOp.AVG and takes the same
-    # Nesterov SGD step from the anchor: with no compression the two are the same algorithm.
+    # Nesterov SGD step from the anchor: with no compression the two are the same algorithm. Overlapped:
+    # torchft's Streaming DiLoCo (fragment_sync_delay, fragment_update_alpha) is our overlap_merge=mix.
     steps = 2 * H
-    results = run_ranks(against_torchft_diloco, 2, steps, timeout_s=60)
+    results = run_ranks(against_torchft_diloco, 2, steps, delay, alpha, timeout_s=60)
     for run, ours in results:
         torch.testing.assert_close(run.state, ours["state"], rtol=1e-6, atol=1e-7)
         assert run.losses == pytest.approx(ours["losses"], rel=1e-6)
@@ -139,13 +146,14 @@ class AbortAtRound(TorchftCollective):
             self.manager._pg.abort()
 
 
-def fail_second_round(rank: int, world_size: int, method: str) -> list[dict]:
+def fail_second_round(rank: int, world_size: int, method: str, overlap: int) -> list[dict]:
     with shared_lighthouse() as addr, replica_manager(f"replica_{rank}", addr, TIMEOUT) as manager:
         comm = AbortAtRound(manager, fail_round=2 if rank == 1 else 0)
         model = build_model()
         inner = adamw(model.parameters())
         feedback = "ef" if method != "none" else "auto"
-        diloco = build_diloco(diloco_config(method, feedback), model.named_parameters(), comm)
+        config = diloco_config(method, feedback, overlap_steps=overlap)
+        diloco = build_diloco(config, model.named_parameters(), comm)
         loss_fn, after_sync = loss_on(rank), []
         for step in range(3 * H):
             inner.zero_grad(set_to_none=True)
@@ -160,27 +168,35 @@ def fail_second_round(rank: int, world_size: int, method: str) -> list[dict]:
                     "residual": {n: r.clone() for n, r in diloco.residual.items()},
                     "codec_state": copy.deepcopy(diloco.codec_state),
                 })
+        diloco.close()
         return after_sync
 
 
-@pytest.mark.parametrize("method", ["none", "int4", "shared_topk"])  # all-reduce; all-to-all and all-gather; int32
-def test_a_round_that_fails_is_dropped_and_the_next_one_commits(method):
-    results = run_ranks(fail_second_round, 2, method, timeout_s=60)
+# all-reduce; all-to-all and all-gather; int32; and int4's from the round's thread
+@pytest.mark.parametrize("method,overlap", [("none", 0), ("int4", 0), ("shared_topk", 0), ("int4", 1)],
+                         ids=["none", "int4", "shared_topk", "int4-overlapped"])
+def test_a_round_that_fails_is_dropped_and_the_next_one_commits(method, overlap):
+    # overlapped: each round's quorum, collectives and commit run on the round's background thread
+    results = run_ranks(fail_second_round, 2, method, overlap, timeout_s=60)
     for first, failed, third in results:
         assert (first["rounds"], failed["rounds"], third["rounds"]) == (1, 1, 2)
         assert (first["step"], failed["step"], third["step"]) == (1, 1, 2)
-        # the failed round left weights and anchor where the first round put them
-        torch.testing.assert_close(failed["params"], first["params"], rtol=0, atol=0)
+        # the failed round left the anchor where the first round put them, and the weights back at it
+        # (blocking: where the first round put them; overlapped, they had moved on since)
         torch.testing.assert_close(failed["anchor"], first["anchor"], rtol=0, atol=0)
+        torch.testing.assert_close(failed["params"], failed["anchor"] if overlap else first["params"], rtol=0, atol=0)
         # ... and its error-feedback residuals (int4 with EF) as they were
         torch.testing.assert_close(failed["residual"], first["residual"], rtol=0, atol=0)
         torch.testing.assert_close(failed["codec_state"], first["codec_state"], rtol=0, atol=0)
         if method != "none":
             assert first["residual"] and not torch.equal(third["residual"]["0.weight"], first["residual"]["0.weight"])
-        torch.testing.assert_close(third["params"], third["anchor"], rtol=0, atol=0)
+        if not overlap:  # overlapped, each replica keeps its own progress since the send
+            torch.testing.assert_close(third["params"], third["anchor"], rtol=0, atol=0)
         assert not torch.equal(third["params"]["0.weight"], first["params"]["0.weight"])
     # the third round ran on a reconfigured process group, with both replicas
-    torch.testing.assert_close(results[0][2]["params"], results[1][2]["params"], rtol=0, atol=0)
+    torch.testing.assert_close(results[0][2]["anchor"], results[1][2]["anchor"], rtol=0, atol=0)
+    if not overlap:
+        torch.testing.assert_close(results[0][2]["params"], results[1][2]["params"], rtol=0, atol=0)
 
 
 def runtime_over_torchft(rank: int, world_size: int, steps: int) -> dict:

@@ -24,6 +24,8 @@ CODECS = {
     "shared top-k 1%": CompressorConfig(method="shared_topk", ratio=0.01),
     "shared top-k 1% int4": CompressorConfig(method="shared_topk", ratio=0.01, value_bits=4),
     "shared top-k 1% 2-bit": CompressorConfig(method="shared_topk", ratio=0.01, value_bits=2),
+    "shared top-k 3% 2-bit": CompressorConfig(method="shared_topk", ratio=0.03, value_bits=2),
+    "SparseLoCo's payload": CompressorConfig(method="topk", ratio=64 / 4096, segment=4096, value_bits=2),
 }
 
 
@@ -66,9 +68,9 @@ def print_fan_in(params: int) -> dict[str, list[int]]:
     """The table of bytes per worker per sync at ``WORKERS``, and each codec's bits per parameter."""
     table = {name: [bytes_per_worker(config, params, n) for n in WORKERS] for name, config in CODECS.items()}
     print(f"\nbytes per worker per sync of {params:,} fp32 parameters (ring model); bits per parameter in brackets")
-    print(f"{'codec':<22}" + "".join(f"{f'{n} workers':>26}" for n in WORKERS))
+    print(f"{'codec':<24}" + "".join(f"{f'{n} workers':>26}" for n in WORKERS))
     for name, row in table.items():
-        print(f"{name:<22}" + "".join(f"{b:>15,} ({8 * b / params:7.3f})" for b in row))
+        print(f"{name:<24}" + "".join(f"{b:>15,} ({8 * b / params:7.3f})" for b in row))
     return table
 
 

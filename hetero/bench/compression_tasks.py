@@ -8,13 +8,16 @@
 
 A rank function returns ``{"loss", "accuracy", "bytes", "residual", "params"}``: the held-out score, the
 bytes this rank put on the wire for data-parallel sync over the run, (hetero only) the error-feedback
-residual norm every ``log_every`` steps, and the parameters the sync covers. hetero runs through the runtime with the method's
-``compression`` block; the peers train the same model from the same seed on the same rows in a plain loop
-under DDP with torch's PowerSGD hook, or under torchft's DiLoCo.
+residual norm every ``log_every`` steps, and the parameters the sync covers; hetero's text task also
+``step_s``, this rank's mean wall time per step after the first ``WARMUP_STEPS``. hetero runs through the
+runtime with the method's ``compression`` block (and ``link`` under it); the peers train the same model
+from the same seed on the same rows in a plain loop under DDP with torch's PowerSGD hook, or under
+torchft's DiLoCo.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,9 +33,11 @@ from hetero.models.gpt.model import GPT, token_loss_sum
 from hetero.models.gpt.config import GPTConfig
 from hetero.testing.references import VisionLanguageModel
 from hetero.parallel.compression.config import CompressionConfig
+from hetero.parallel.compression.link import LinkConfig
 from hetero.runtime import build_runtime
 from hetero.testing.experiments import experiment, module
 
+WARMUP_STEPS = 8  # not timed (allocations, first collectives)
 TEXT_MODEL = GPTConfig(vocab_size=VOCAB_SIZE, hidden_size=64, num_layers=2, num_heads=4, seq_len=64)
 GLOBAL_BATCH = 16
 HELDOUT_BATCHES = 8
@@ -45,6 +50,7 @@ class Method:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     rank: int = 0  # ddp_powersgd: approximation rank
     inner_steps: int = 0  # torchft_diloco: H
+    link: LinkConfig = field(default_factory=LinkConfig)  # hetero: a simulated link under the DP sync
 
 
 def text_optim(steps: int) -> OptimizerConfig:
@@ -60,19 +66,23 @@ def run_text(rank: int, world_size: int, method: Method, seed: int, steps: int, 
         return sample_batch(corpus.train, GLOBAL_BATCH, TEXT_MODEL.seq_len, step, seed)
 
     if method.engine == "hetero":
-        blocks = {"llm": module("gpt", TEXT_MODEL, {"dp": world_size}, optim, compression=method.compression)}
+        blocks = {"llm": module("gpt", TEXT_MODEL, {"dp": world_size}, optim, {"simulated_link": method.link},
+                                compression=method.compression)}
         runtime = build_runtime(experiment(world_size, blocks, global_batch=GLOBAL_BATCH, microbatches=1, seed=seed),
                                 default_registry())
         sync = runtime.modules["llm"].replica_sync
-        residual = []
+        residual, started = [], 0.0
         for step in range(steps):
+            if step == WARMUP_STEPS:
+                started = time.perf_counter()
             tokens, labels = batch(step)
             runtime.train_step({"tokens": tokens, "labels": labels})
             if (step + 1) % log_every == 0:
                 residual.append((step + 1, sync.residual_norm()))
+        step_s = (time.perf_counter() - started) / (steps - WARMUP_STEPS)
         loss = runtime.evaluate({"tokens": x, "labels": y} for x, y in heldout)["llm.loss"]
         return {"loss": loss, "accuracy": None, "bytes": sync.bytes_sent, "residual": residual,
-                "params": _params(runtime.modules["llm"].model)}
+                "params": _params(runtime.modules["llm"].model), "step_s": step_s}
 
     torch.manual_seed(seed)
     model = GPT(TEXT_MODEL)

@@ -78,6 +78,8 @@ def run_torchft_diloco(
     replica: int | None = None,
     lighthouse_addr: str | None = None,
     timeout: timedelta = timedelta(seconds=30),
+    sync_delay: int = 0,
+    update_alpha: float = 0.0,
 ) -> TorchftDiLoCoRun:
     """Train ``model`` with its ``inner`` optimizer for ``steps`` inner steps as one replica group of a
     torchft DiLoCo job.
@@ -90,6 +92,8 @@ def run_torchft_diloco(
     ``replica`` defaults to the rank in the default process group. Without ``lighthouse_addr`` the default
     group's rank 0 runs the lighthouse (one replica group per rank). ``timeout`` bounds every wait of the
     manager (quorum, collectives, commit), so a missing peer fails the run rather than hanging it.
+    ``sync_delay`` and ``update_alpha``: torchft's ``fragment_sync_delay`` and ``fragment_update_alpha``
+    (Streaming DiLoCo's overlap: the all-reduce starts that many steps early; local and global weights mix).
     """
     replica = dist.get_rank() if replica is None else replica
     outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=True)
@@ -107,7 +111,8 @@ def run_torchft_diloco(
         f"replica_{replica}", addr, timeout, state_dict=state_dict, load_state_dict=load_state_dict
     ) as manager:
         counter = _AllreduceBytes(manager)
-        with DiLoCo(manager, [model], inner, outer, sync_every=sync_every, pin_memory=False):
+        with DiLoCo(manager, [model], inner, outer, sync_every=sync_every, pin_memory=False,
+                    fragment_sync_delay=sync_delay, fragment_update_alpha=update_alpha):
             for step in range(steps):
                 set_lr(step)
                 inner.zero_grad(set_to_none=True)

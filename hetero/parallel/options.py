@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from hetero.parallel.compression.link import LinkConfig
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16")
@@ -25,6 +27,8 @@ class ParallelOptions:
     # A forward-only encoder on ranks of its own: how many of the next step's microbatches it computes
     # and sends while its consumers finish this step (0: none); their outputs wait at the receivers.
     forward_ahead: int = 0
+    # a slower network under this module's data-parallel sync (compression.link): what it would cost
+    simulated_link: LinkConfig = field(default_factory=LinkConfig)
 
     def errors(self, module: str) -> list[str]:
         errors = []
@@ -44,4 +48,8 @@ class ParallelOptions:
             errors.append(f"{module}.parallel.forward_ahead={self.forward_ahead} must be >= 0 (0: off)")
         if self.grad_bucket_mb <= 0:
             errors.append(f"{module}.parallel.grad_bucket_mb={self.grad_bucket_mb} must be > 0")
+        errors += self.simulated_link.errors(f"{module}.parallel.simulated_link")
+        if self.simulated_link.enabled and self.fsdp:
+            errors.append(f"{module}.parallel.simulated_link puts hetero's gradient sync on a slower link; FSDP2 "
+                          f"reduce-scatters itself: set {module}.parallel.fsdp=false or simulated_link.gbit_s=0")
         return errors

@@ -21,6 +21,7 @@ from hetero.parallel.compression.build import build_diloco, build_grad_sync
 from hetero.parallel.compression.collective import Collective, GroupCollective
 from hetero.parallel.compression.config import CompressionConfig
 from hetero.parallel.compression.diloco import DiLoCo
+from hetero.parallel.compression.link import SimulatedLink
 from hetero.parallel.data import AllReduceGradSync, GradSync, GradSyncs
 from hetero.parallel.mesh import ModuleMesh
 from hetero.parallel.options import REDUCE_DTYPES, ParallelOptions
@@ -49,25 +50,28 @@ class ReplicaSync:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # frozen ones never change
         if not named:
             return
+        link = SimulatedLink(options.simulated_link) if options.simulated_link.enabled else None
         if self.compression.diloco.enabled:
             if outer_comm is None and self.replicas == 1:
                 return  # one replica: nothing to average, DiLoCo would only add outer steps
-            comm = outer_comm or GroupCollective(mesh.group("dp_cp"))  # type: ignore[union-attr]
+            # The gradient sync's own group: no other collective uses it under DiLoCo, so a round may run
+            # on a thread of its own (diloco.overlap_steps) while the step's other collectives go on.
+            comm = outer_comm or GroupCollective(mesh.group("grad_sync"), link)  # type: ignore[union-attr]
             self.diloco = build_diloco(self.compression, named, comm, seed)
         elif not options.fsdp:
             bucket_bytes = int(options.grad_bucket_mb * 2**20)
             reduce_dtype = REDUCE_DTYPES[options.reduce_precision]
             syncs = []
             if self.replicas > 1:
-                comm = GroupCollective(mesh.group("grad_sync"))  # type: ignore[union-attr]
+                comm = GroupCollective(mesh.group("grad_sync"), link)  # type: ignore[union-attr]
                 dense = [(n, p) for n, p in named if n not in expert_weights]
                 syncs.append(build_grad_sync(self.compression.grad, dense, comm, bucket_bytes, seed, reduce_dtype,
                                              before_launch))
             if expert_weights and len(mesh.group_ranks["expert_sync"]) > 1:  # type: ignore[union-attr]
                 # Experts' gradients sum over the ranks holding the same experts, in buckets of their own.
                 experts = [(n, p) for n, p in named if n in expert_weights]
-                syncs.append(AllReduceGradSync(experts, mesh.group("expert_sync"), bucket_bytes, reduce_dtype,  # type: ignore[union-attr]
-                                               before_launch))
+                syncs.append(AllReduceGradSync(experts, GroupCollective(mesh.group("expert_sync"), link),  # type: ignore[union-attr]
+                                               bucket_bytes, reduce_dtype, before_launch))
             if syncs:
                 self.grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(syncs)
 
@@ -103,6 +107,8 @@ class ReplicaSync:
         """Detach from the model (a fresh sync replaces this one)."""
         if isinstance(self.grad_sync, (AllReduceGradSync, GradSyncs)):
             self.grad_sync.remove_hooks()
+        if self.diloco is not None:
+            self.diloco.close()
 
     def after_step(self) -> None:
         if self.diloco is not None:

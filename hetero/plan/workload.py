@@ -62,8 +62,9 @@ def gradient_wire_ratio(compression: CompressionConfig) -> float:
     def ratio(c: CompressorConfig) -> float:
         if c.method in ("int8", "int4"):
             return ((1.0 if c.method == "int8" else 0.5) + 4 / c.block_size) / 4
-        if c.method in ("topk", "shared_topk"):
-            return c.ratio * 6 / 4  # fp32 value + uint16 index within a segment
+        if c.method in ("topk", "shared_topk"):  # a value (and its share of the scales) + a packed index
+            scales = 0 if c.value_bits == 32 else 16 * (2 if c.value_bits == 2 else 1) / c.block_size
+            return c.ratio * (c.value_bits + scales + max(1, (c.segment - 1).bit_length())) / 32
         if c.method == "randomk":
             return c.ratio  # indices come from a shared seed
         return 1.0  # none, and powersgd (its size depends on every matrix's shape; counted as dense)

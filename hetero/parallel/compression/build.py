@@ -18,10 +18,10 @@ from hetero.parallel.data import AllReduceGradSync, GradSync
 
 def build_codec(config: CompressorConfig, seed: int = 0) -> Codec | None:
     """The codec of ``config.method`` (None for plain fp32 sums; PowerSGD is a sync of its own)."""
+    values = None if config.value_bits == 32 else BlockQuant(config.value_bits, config.block_size)
     if config.method == "topk":
-        return TopK(config.ratio, config.segment)
+        return TopK(config.ratio, config.segment, values)
     if config.method == "shared_topk":
-        values = None if config.value_bits == 32 else BlockQuant(config.value_bits, config.block_size)
         return SharedTopK(config.ratio, config.segment, values)
     if config.method == "randomk":
         return RandomK(config.ratio, seed)

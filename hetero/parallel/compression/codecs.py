@@ -4,8 +4,11 @@ A codec's ``exchange(v, comm, state)`` returns the sum over replicas of every re
 (decoded) and this replica's own decoded contribution, which error feedback subtracts from ``v`` to keep
 what was not sent. ``state`` is a dict the caller keeps per bucket and checkpoints.
 
-- ``TopK``: per segment of ``segment`` elements the ``k`` largest magnitudes, as fp32 values and uint16
-  in-segment indices (6 bytes per kept element), all-gathered: replicas pick different entries.
+- ``TopK``: per segment of ``segment`` elements the ``k`` largest magnitudes, their in-segment indices
+  packed at log2(segment) bits each and their values as fp32 or (``values``) 8-, 4- or 2-bit codes with bf16
+  scales per block of kept values (what the codes leave out stays in the error-feedback residual),
+  all-gathered: replicas pick different entries. With 2-bit values and segments of 4,096 (12-bit indices)
+  this is SparseLoCo's payload.
 - ``SharedTopK``: top-k whose indices every replica shares, so values sum in an all-reduce and the bytes
   per replica stay flat as replicas are added (``TopK``'s all-gather grows with them). Each call one
   replica in turn picks, per segment, the ``k`` largest magnitudes of its own vector; the indices (log2
@@ -63,12 +66,14 @@ class _FeedbackByDifference:
 class TopK:
     biased = True
 
-    def __init__(self, ratio: float, segment: int = 1024):
+    def __init__(self, ratio: float, segment: int = 1024, values: BlockQuant | None = None):
         self.segment = segment
         self.k = max(1, round(ratio * segment))
+        self.values = values
+        self.index_bits = max(1, (segment - 1).bit_length())
 
     def contraction(self) -> float:
-        """Worst-case ||C(x) - x||^2 / ||x||^2."""
+        """Worst-case ||C(x) - x||^2 / ||x||^2 (with fp32 values)."""
         return 1 - self.k / self.segment
 
     def exchange(self, v: torch.Tensor, comm: Collective, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,15 +94,35 @@ class TopK:
 
     def _send(self, grad: torch.Tensor, residual: torch.Tensor, comm: Collective) -> torch.Tensor:
         values, indices = segment_topk(grad, residual, self.k, self.segment)
-        payload = torch.cat([values.view(-1).view(torch.uint8), indices.view(-1).view(torch.uint8)])
-        gathered = comm.all_gather(payload)
-        split = values.numel() * 4
+        count = values.numel()
+        if self.values is None:
+            value_bytes = values.view(-1).view(torch.uint8)
+        else:  # quantized: what the codes leave out of the kept values stays in the residual
+            codes, scales = self._quantize(values.view(-1))
+            sent = self._dequantize(codes, scales, count).view_as(values)
+            residual.view(-1, self.segment).scatter_add_(1, indices.long(), values - sent)
+            value_bytes = torch.cat([codes, scales.view(torch.uint8)])
+        index_bytes = pack_bits(indices.view(-1).long(), self.index_bits).view(torch.uint8)
+        gathered = comm.all_gather(torch.cat([value_bytes, index_bytes]))
+        split = value_bytes.numel()
         total = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
         for row in gathered:
-            got_values = _view(row[:split], torch.float32).view(values.shape)
-            got_indices = _view(row[split:], torch.uint16).view(indices.shape)
-            total += scatter_segments(got_values, got_indices, grad.numel(), self.segment)
+            if self.values is None:
+                got_values = _view(row[:split], torch.float32)
+            else:
+                code_bytes = codes.numel()
+                got_values = self._dequantize(row[:code_bytes], _view(row[code_bytes:split], scales.dtype), count)
+            got_indices = unpack_bits(_view(row[split:], torch.int32), self.index_bits, count)
+            total += scatter_segments(got_values.view(values.shape), got_indices.view(indices.shape), grad.numel(),
+                                      self.segment)
         return total
+
+    def _quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scales = quantize_blocks(_pad(values, self.values.block_size), self.values.bits, self.values.block_size)
+        return codes, scales.reshape(-1)
+
+    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor, count: int) -> torch.Tensor:
+        return dequantize_blocks(codes, scales, self.values.bits, self.values.block_size)[:count]
 
 
 class SharedTopK(_FeedbackByDifference):

@@ -20,15 +20,18 @@ from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 
 METHODS = ("none", "topk", "shared_topk", "randomk", "int8", "int4", "powersgd")
 FEEDBACK = ("auto", "ef", "ef21", "none")
+OVERLAP_MERGES = ("keep", "mix")
 
 
 @dataclass
 class CompressorConfig:
     method: str = "none"  # none (fp32 all-reduce) | topk | shared_topk | randomk | int8 | int4 | powersgd
     ratio: float = 0.01  # topk, shared_topk, randomk: fraction of entries sent
-    segment: int = 1024  # topk, shared_topk: entries per selection segment (indices are uint16 within one)
+    segment: int = 1024  # topk, shared_topk: entries per selection segment (indices take log2(segment) bits)
     block_size: int = 64  # int8, int4 (and shared_topk's quantized values): entries sharing one scale
-    value_bits: int = 32  # shared_topk: its values as fp32 (32), or int8 / int4 / 2-bit fitted codes summed in two phases
+    # topk, shared_topk: values as fp32 (32), or int8 / int4 / 2-bit fitted codes (shared_topk sums them in
+    # two phases; topk all-gathers them)
+    value_bits: int = 32
     rank: int = 4  # powersgd: rank of the approximation
     error_feedback: str = "auto"  # auto (ef for the biased methods) | ef | ef21 | none
 
@@ -56,9 +59,9 @@ class CompressorConfig:
             found.append(f"{where}.rank={self.rank} must be at least 1")
         if self.value_bits not in (32, 8, 4, 2):
             found.append(f"{where}.value_bits={self.value_bits} is not one of 32, 8, 4, 2")
-        elif self.value_bits != 32 and self.method != "shared_topk":
-            found.append(f"{where}.value_bits={self.value_bits} quantizes shared_topk's values; set {where}.method="
-                         f"shared_topk or value_bits=32")
+        elif self.value_bits != 32 and self.method not in ("topk", "shared_topk"):
+            found.append(f"{where}.value_bits={self.value_bits} quantizes the values of topk and shared_topk; set "
+                         f"{where}.method=topk or shared_topk, or value_bits=32")
         if self.method == "none" and self.error_feedback in ("ef", "ef21"):
             found.append(f"{where}.error_feedback={self.error_feedback} needs a compressing method; set {where}.method")
         if self.method == "powersgd" and self.error_feedback == "ef21":
@@ -79,6 +82,13 @@ class DiLoCoConfig:
     # with error feedback: the residual carried into each round times this (SparseLoCo's decayed error
     # feedback, used with outer_momentum 0 in place of the outer momentum); 1 keeps all of it
     error_decay: float = 1.0
+    # Overlap: a round's exchange starts this many inner steps before the round ends and runs in the
+    # background meanwhile (0: it blocks at the round's end). Where it lands the replica takes the new
+    # global weights and, by overlap_merge, "keep"s its own progress of those steps on top, or "mix"es as
+    # torchft's Streaming DiLoCo: lerp(global, local, overlap_alpha) (alpha 0 drops that progress).
+    overlap_steps: int = 0
+    overlap_merge: str = "keep"
+    overlap_alpha: float = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -109,6 +119,22 @@ class DiLoCoConfig:
             found.append(f"{where}.error_decay={self.error_decay} decays the error-feedback residual, which "
                          f"{where}.pseudo_grad (method={self.pseudo_grad.method}) does not keep; set "
                          f"{where}.pseudo_grad.error_feedback=ef with a compressing method, or error_decay=1")
+        found += self._overlap_errors(where)
+        return found
+
+    def _overlap_errors(self, where: str) -> list[str]:
+        found = []
+        period = self.inner_steps // max(self.fragments, 1)
+        if self.overlap_steps < 0 or (self.enabled and self.overlap_steps >= period):
+            found.append(f"{where}.overlap_steps={self.overlap_steps} must be in 0..{max(period - 1, 0)} (a round "
+                         f"lands before the next starts: inner_steps/fragments={period})")
+        if self.overlap_merge not in OVERLAP_MERGES:
+            found.append(f"{where}.overlap_merge={self.overlap_merge!r} is not one of {', '.join(OVERLAP_MERGES)}")
+        if not 0 <= self.overlap_alpha <= 1:
+            found.append(f"{where}.overlap_alpha={self.overlap_alpha} must be in [0, 1]")
+        elif self.overlap_alpha and self.overlap_merge != "mix":
+            found.append(f"{where}.overlap_alpha={self.overlap_alpha} weighs the local weights of overlap_merge=mix; "
+                         f"set {where}.overlap_merge=mix or overlap_alpha=0")
         return found
 
 

@@ -45,8 +45,10 @@ from torchft._torchft import LighthouseServer
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroup, ProcessGroupGloo
 
+from hetero.parallel.compression.background import PostingGate
 from hetero.parallel.compression.collective import (
     _nbytes,
+    issuing,
     all_gather_wire_bytes,
     all_reduce_wire_bytes,
     all_to_all_wire_bytes,
@@ -63,6 +65,7 @@ class TorchftCollective:
         self.size = 0  # set by start_round from the quorum
         self.rank = 0
         self.bytes_sent = 0
+        self.gate: PostingGate | None = None
 
     def start_round(self) -> None:
         """Join the next quorum (blocking, within the manager's quorum timeout)."""
@@ -80,7 +83,9 @@ class TorchftCollective:
         """Sum ``tensor`` over the quorum, in place (``ReduceOp.SUM``: the manager's default averages)."""
         if self.manager.errored() is None:
             self.bytes_sent += all_reduce_wire_bytes(_nbytes(tensor), self.size)
-            self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()  # errors go to the manager
+            with issuing(self.gate):
+                work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+            work.wait()  # errors go to the manager
         if self.manager.errored() is not None:
             tensor.zero_()
 
@@ -109,7 +114,8 @@ class TorchftCollective:
         if self.manager.errored() is not None:
             return False
         try:
-            work = launch(self.manager._pg)  # the process group the manager reconfigures at every quorum
+            with issuing(self.gate):
+                work = launch(self.manager._pg)  # the process group the manager reconfigures at every quorum
             self.manager.wrap_future(work.get_future(), None).wait()
         except Exception as e:  # raised while issuing, e.g. by an aborted process group
             self.manager.report_error(e)

@@ -84,19 +84,18 @@ def topk_sum(vectors, residuals, ratio, segment, bits=None, block=64):
 
 def shared_topk_sum(vectors, residuals, ratio, segment, chooser, bits=None, owners=None, block=64):
     """Error feedback with top-k entries shared by all: replica ``chooser`` picks them from its g + e (equal
-    magnitudes, e.g. zeros, to the lower index); every replica sends its g + e at those entries (with
-    ``bits``, their two-phase quantized sum, ``owners`` its chunk owners' residuals) and keeps the rest."""
-    k, numel = max(1, round(ratio * segment)), vectors[0].numel()
+    magnitudes, e.g. zeros, to the lower index), or with ``chooser="union"`` every replica picks its own and
+    all of them are shared; every replica sends its g + e at those entries (with ``bits``, their two-phase
+    quantized sum, ``owners`` its chunk owners' residuals) and keeps the rest."""
+    numel = vectors[0].numel()
     padded = [pad(g + e, segment) for g, e in zip(vectors, residuals)]
-    rows = padded[chooser].view(-1, segment)
-    chosen = torch.zeros_like(rows, dtype=torch.bool)
-    for row in range(rows.shape[0]):
-        chosen[row, torch.sort(rows[row].abs(), descending=True, stable=True).indices[:k]] = True
-    chosen = chosen.view(-1)
+    chosen = shared_entries(vectors, residuals, ratio, segment, chooser)
     compact = [v[chosen] for v in padded]
     if bits is None:
         sent, summed = compact, sum(compact)
     else:
+        if owners[0].numel() != math.ceil(len(compact[0]) / (len(padded) * block)) * block:
+            owners[:] = owner_zeros(len(compact[0]), len(padded), block)  # as the codec: a new size starts at zero
         errors = [torch.zeros_like(c) for c in compact]
         summed = quant_sum(compact, errors, owners, bits, block)
         sent = [c - e for c, e in zip(compact, errors)]  # what each replica's codes decode to
@@ -104,6 +103,19 @@ def shared_topk_sum(vectors, residuals, ratio, segment, chooser, bits=None, owne
         residuals[i] = v.masked_scatter(chosen, v[chosen] - sent[i])[:numel]
     total = torch.zeros_like(padded[0]).masked_scatter(chosen, summed)
     return total[:numel]
+
+
+def shared_entries(vectors, residuals, ratio, segment, chooser):
+    """The mask (over the vectors padded to whole segments) of the entries shared top-k sends: replica
+    ``chooser``'s top-k of its g + e, or with ``"union"`` every replica's."""
+    k = max(1, round(ratio * segment))
+    padded = [pad(g + e, segment) for g, e in zip(vectors, residuals)]
+    chosen = torch.zeros_like(padded[0], dtype=torch.bool).view(-1, segment)
+    for picker in range(len(padded)) if chooser == "union" else [chooser]:
+        rows = padded[picker].view(-1, segment)
+        for row in range(rows.shape[0]):
+            chosen[row, torch.sort(rows[row].abs(), descending=True, stable=True).indices[:k]] = True
+    return chosen.view(-1)
 
 
 def quant_sum(vectors, residuals, owner_residuals, bits, block, feedback=True):

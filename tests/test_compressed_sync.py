@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from compression_oracle import owner_zeros, powersgd_sum, quant_sum, shared_topk_sum, topk_sum
+from compression_oracle import (owner_zeros, powersgd_sum, quant_sum, shared_entries, shared_topk_sum,
+                                topk_sum)
 from hetero.parallel.compression.bit_packing import packed_words
 from hetero.parallel.compression.build import build_grad_sync
 from hetero.parallel.compression.collective import (
@@ -92,6 +93,32 @@ def test_shared_topk_sums_every_replicas_values_at_one_replicas_choice_in_turn(v
         payload = chunk * value_bits // 8 + chunk // 64 * 2 * (2 if value_bits == 2 else 1)
         values = all_to_all_wire_bytes(3 * payload, 3) + all_gather_wire_bytes(payload, 3)
     assert [bytes_sent for _, bytes_sent in results] == [STEPS * (indices + values)] * 3
+
+
+@pytest.mark.parametrize("value_bits", [32, 2])
+def test_shared_topk_over_the_union_of_every_replicas_choice_matches_the_oracle(value_bits):
+    """3 replicas each pick their own top-k (8-bit indices, all-gathered); every replica's values at the union
+    of those entries travel in the sum, fp32 or through the two-phase 2-bit sum."""
+    config = CompressorConfig(method="shared_topk", ratio=0.05, segment=256, value_bits=value_bits, indices="union")
+    results = run_ranks(sync_steps, 3, config, timeout_s=120)
+    residuals = [torch.zeros(3120) for _ in range(3)]
+    picked = 13 * round(0.05 * 256)  # by each replica: 13 segments of 256 after padding
+    owners, sent = [torch.zeros(0)], 0
+    for step in range(STEPS):
+        grads = [flat(replica_grads(r, step)) for r in range(3)]
+        union = int(shared_entries(grads, residuals, 0.05, 256, "union").sum())
+        assert 3 * picked / 2 < union <= 3 * picked  # the replicas chose partly different entries
+        expected = shared_topk_sum(grads, residuals, 0.05, 256, "union", None if value_bits == 32 else 2, owners)
+        for out, _ in results:
+            torch.testing.assert_close(flat(out[step]), expected, rtol=1e-6, atol=1e-6)
+        sent += all_gather_wire_bytes(4 * packed_words(picked, 8), 3)
+        if value_bits == 32:
+            sent += all_reduce_wire_bytes(4 * union, 3)
+        else:  # 2-bit codes and two bf16 scales per 64, padded to 3 chunks of whole blocks
+            chunk = math.ceil(union / (3 * 64)) * 64
+            payload = chunk // 4 + chunk // 64 * 4
+            sent += all_to_all_wire_bytes(3 * payload, 3) + all_gather_wire_bytes(payload, 3)
+    assert [bytes_sent for _, bytes_sent in results] == [sent] * 3
 
 
 @pytest.mark.parametrize("bits", [8, 4])

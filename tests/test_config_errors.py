@@ -206,6 +206,11 @@ CASES = {
         setter("vision.compression", {"diloco": {"inner_steps": 10, "fragments": 3}}),
         r"vision\.compression\.diloco\.fragments=3 must be at least 1 and divide inner_steps=10",
     ),
+    "a union of indices for a method without shared indices": (
+        setter("vision.compression", {"grad": {"method": "topk", "indices": "union"}}),
+        r"vision\.compression\.grad\.indices=union chooses shared_topk's entries; set "
+        r"vision\.compression\.grad\.method=shared_topk or indices=turn",
+    ),
     "a DiLoCo overlap as long as the round": (
         setter("vision.compression", {"diloco": {"inner_steps": 8, "fragments": 2, "overlap_steps": 4}}),
         r"vision\.compression\.diloco\.overlap_steps=4 must be in 0\.\.3 \(a round lands before the next starts",

@@ -90,6 +90,9 @@ METHODS = [
     Method(f"H={INNER_STEPS} shared 3% 2-bit + decayed EF",  # 18% fewer bytes than SparseLoCo's at 4 workers
            compression=diloco("shared_topk", "ef", {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95},
                               ratio=0.03, value_bits=2)),
+    Method(f"H={INNER_STEPS} union 1.5% 2-bit + decayed EF",  # SparseLoCo's selection, values summed
+           compression=diloco("shared_topk", "ef", {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95},
+                              ratio=0.015, value_bits=2, indices="union")),
     Method(f"H={INNER_STEPS} shared 1% 2-bit + decayed EF, overlap {OVERLAP}",
            compression=diloco("shared_topk", "ef", {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95,
                                                     "overlap_steps": OVERLAP}, ratio=0.01, value_bits=2)),

@@ -22,7 +22,7 @@ def build_codec(config: CompressorConfig, seed: int = 0) -> Codec | None:
     if config.method == "topk":
         return TopK(config.ratio, config.segment, values)
     if config.method == "shared_topk":
-        return SharedTopK(config.ratio, config.segment, values)
+        return SharedTopK(config.ratio, config.segment, values, union=config.indices == "union")
     if config.method == "randomk":
         return RandomK(config.ratio, seed)
     if config.method in ("int8", "int4"):

@@ -15,7 +15,9 @@ what was not sent. ``state`` is a dict the caller keeps per bucket and checkpoin
   of the segment bits each, packed end to end: 10 bits in a segment of 1,024) reach the others in an
   all-reduce to which only it contributes, every replica's values at them in a
   second one: fp32, or through ``BlockQuant``'s two-phase sum (``values``: 8, 4 or 2 bits), whose bytes are
-  flat in the replicas too.
+  flat in the replicas too. With ``union`` every replica picks its own top-k and all of them travel: the
+  indices in an all-gather (their bytes grow with the replicas), every replica's values at the union of
+  them in the sum (theirs do not): SparseLoCo's selection, with its values summed instead of gathered.
 - ``RandomK``: the same ``ratio`` of entries on every replica (a generator seeded by the call count), so
   only the values travel, in a plain all-reduce.
 - ``BlockQuant``: int8 or int4 codes with one bf16 scale per block (or 2-bit codes over two fitted bf16
@@ -128,38 +130,57 @@ class TopK:
 class SharedTopK(_FeedbackByDifference):
     biased = True
 
-    def __init__(self, ratio: float, segment: int = 1024, values: BlockQuant | None = None):
+    def __init__(self, ratio: float, segment: int = 1024, values: BlockQuant | None = None, union: bool = False):
         self.segment = segment
         self.k = max(1, round(ratio * segment))
         self.values = values
+        self.union = union
+        self.index_bits = max(1, (segment - 1).bit_length())
 
     def contraction(self) -> float:
         """Worst-case ||C(x) - x||^2 / ||x||^2 on a replica whose turn it is not: the chosen entries may hold
-        none of its mass."""
-        return 1.0
+        none of its mass (with ``union``, each replica's own top-k is among them: that of ``TopK``)."""
+        return 1 - self.k / self.segment if self.union else 1.0
 
     def exchange(self, v: torch.Tensor, comm: Collective, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        calls = int(state.get("calls", 0))
-        state["calls"] = calls + 1
-        segments = _pad(v, self.segment).view(-1, self.segment)
-        count, bits = segments.shape[0] * self.k, max(1, (self.segment - 1).bit_length())
-        if comm.rank == calls % comm.size:  # this replica's turn to choose
-            wire = pack_bits(segment_topk_indices(segments, self.k).view(-1), bits)
-        else:
-            wire = torch.zeros(packed_words(count, bits), dtype=torch.int32, device=v.device)
-        # a sum with one contributor carries its bits: each index log2(segment) bits, packed in int32 words
-        comm.all_reduce(wire)
-        chosen = unpack_bits(wire, bits, count).view(-1, self.k)
-        values = segments.gather(1, chosen).contiguous()
+        padded = _pad(v, self.segment)
+        segments = padded.view(-1, self.segment)
+        chosen = self._union(segments, comm) if self.union else self._in_turn(segments, comm, state)
+        values = padded[chosen]
         if self.values is None:
             own = values.clone()
             comm.all_reduce(values)
         else:  # quantized: this replica's decoded values are what it sent
-            summed, own = self.values.exchange(values.view(-1), comm, state.setdefault("values", {}))
-            values, own = summed.view_as(values), own.view_as(values)
-        own = torch.zeros_like(segments).scatter_(1, chosen, own).view(-1)
-        total = torch.zeros_like(segments).scatter_(1, chosen, values).view(-1)
+            values, own = self.values.exchange(values, comm, state.setdefault("values", {}))
+        own = torch.zeros_like(padded).index_copy_(0, chosen, own)
+        total = torch.zeros_like(padded).index_copy_(0, chosen, values)
         return total[: v.numel()], own[: v.numel()]
+
+    def _in_turn(self, segments: torch.Tensor, comm: Collective, state: dict) -> torch.Tensor:
+        """One replica's top-k, replicas taking turns call by call: positions in the padded vector, ascending."""
+        calls = int(state.get("calls", 0))
+        state["calls"] = calls + 1
+        count = segments.shape[0] * self.k
+        if comm.rank == calls % comm.size:  # this replica's turn to choose
+            wire = pack_bits(segment_topk_indices(segments, self.k).view(-1), self.index_bits)
+        else:
+            wire = torch.zeros(packed_words(count, self.index_bits), dtype=torch.int32, device=segments.device)
+        # a sum with one contributor carries its bits: each index log2(segment) bits, packed in int32 words
+        comm.all_reduce(wire)
+        return self._positions(unpack_bits(wire, self.index_bits, count).view(-1, self.k))
+
+    def _union(self, segments: torch.Tensor, comm: Collective) -> torch.Tensor:
+        """Every replica's own top-k, all-gathered (index bytes grow with the replicas, value bytes do not),
+        merged: positions in the padded vector, ascending and each once."""
+        count = segments.shape[0] * self.k
+        mine = pack_bits(segment_topk_indices(segments, self.k).view(-1), self.index_bits)
+        every = [self._positions(unpack_bits(row, self.index_bits, count).view(-1, self.k))
+                 for row in comm.all_gather(mine)]
+        return torch.unique(torch.cat(every))  # sorted; its size depends on the data (a host sync on a GPU)
+
+    def _positions(self, indices: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(indices.shape[0], device=indices.device).unsqueeze(1) * self.segment
+        return (indices + offsets).view(-1)
 
 
 class RandomK(_FeedbackByDifference):

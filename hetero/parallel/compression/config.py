@@ -21,6 +21,7 @@ from hetero.parallel.compression.edge_config import EdgeCompressionConfig
 METHODS = ("none", "topk", "shared_topk", "randomk", "int8", "int4", "powersgd")
 FEEDBACK = ("auto", "ef", "ef21", "none")
 OVERLAP_MERGES = ("keep", "mix")
+SHARED_INDICES = ("turn", "union")
 
 
 @dataclass
@@ -32,6 +33,9 @@ class CompressorConfig:
     # topk, shared_topk: values as fp32 (32), or int8 / int4 / 2-bit fitted codes (shared_topk sums them in
     # two phases; topk all-gathers them)
     value_bits: int = 32
+    # shared_topk: whose top-k the replicas share: one replica's "turn" each call (indices flat in the
+    # replicas), or the "union" of every replica's own (indices all-gathered)
+    indices: str = "turn"
     rank: int = 4  # powersgd: rank of the approximation
     error_feedback: str = "auto"  # auto (ef for the biased methods) | ef | ef21 | none
 
@@ -57,6 +61,11 @@ class CompressorConfig:
             found.append(f"{where}.block_size={self.block_size}: 2-bit values pack four a byte; use a multiple of 4")
         if self.rank < 1:
             found.append(f"{where}.rank={self.rank} must be at least 1")
+        if self.indices not in SHARED_INDICES:
+            found.append(f"{where}.indices={self.indices!r} is not one of {', '.join(SHARED_INDICES)}")
+        elif self.indices != "turn" and self.method != "shared_topk":
+            found.append(f"{where}.indices={self.indices} chooses shared_topk's entries; set {where}.method=shared_topk "
+                         f"or indices=turn")
         if self.value_bits not in (32, 8, 4, 2):
             found.append(f"{where}.value_bits={self.value_bits} is not one of 32, 8, 4, 2")
         elif self.value_bits != 32 and self.method not in ("topk", "shared_topk"):

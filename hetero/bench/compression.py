@@ -35,8 +35,8 @@ from hetero.testing.multiprocess import run_ranks
 TASKS = {"text": run_text, "vlm": run_vlm}
 INNER_STEPS = 32
 OVERLAP = 4  # inner steps a round runs in the background (overlap_steps): shared top-k issues 3 collectives, one a step
-LINK_METHODS = (f"H={INNER_STEPS} shared 1% 2-bit + decayed EF",
-                f"H={INNER_STEPS} shared 1% 2-bit + decayed EF, overlap {OVERLAP}")
+LINK_METHODS = (f"H={INNER_STEPS} union 1.5% 2-bit + decayed EF",
+                f"H={INNER_STEPS} union 1.5% 2-bit + decayed EF, overlap {OVERLAP}")
 
 
 def per_step(method: str, error_feedback: str = "auto", **options) -> CompressionConfig:
@@ -93,11 +93,15 @@ METHODS = [
     Method(f"H={INNER_STEPS} union 1.5% 2-bit + decayed EF",  # SparseLoCo's selection, values summed
            compression=diloco("shared_topk", "ef", {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95},
                               ratio=0.015, value_bits=2, indices="union")),
+    Method(f"H={INNER_STEPS} union 1.5% 2-bit + decayed EF, overlap {OVERLAP}",
+           compression=diloco("shared_topk", "ef", {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95,
+                                                    "overlap_steps": OVERLAP},
+                              ratio=0.015, value_bits=2, indices="union")),
     Method(f"H={INNER_STEPS} shared 1% 2-bit + decayed EF, overlap {OVERLAP}",
            compression=diloco("shared_topk", "ef", {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95,
                                                     "overlap_steps": OVERLAP}, ratio=0.01, value_bits=2)),
-    # SparseLoCo's recipe: each worker's own top-k of its decayed EF buffer (64 of every 4,096: 12-bit
-    # indices), 2-bit values, all-gathered and averaged, outer lr 1 without momentum, EF decay 0.95
+    # SparseLoCo's structure: each worker's own top-k of its decayed EF buffer (64 of every 4,096: 12-bit
+    # indices), 2-bit values, all-gathered and averaged, outer lr 1 without momentum (the bench's decay 0.95)
     Method(f"SparseLoCo reference H={INNER_STEPS}",
            compression=diloco("topk", "ef", {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95},
                               ratio=64 / 4096, segment=4096, value_bits=2)),
